@@ -1,0 +1,99 @@
+"""The one place that knows about accelerators: cpu vs cuda, gloo vs nccl.
+
+Everything else asks this module which device an engine uses and which
+torch.distributed backend fits it, so the same notebook runs on a laptop CPU
+(gloo, N engine processes) and on GPUs (one engine per GPU, nccl).
+"""
+from __future__ import annotations
+
+import os
+
+BACKENDS = ("gloo", "nccl")
+
+
+def accelerator_count() -> int:
+    """Number of visible GPUs on this host (0 without a CUDA build or driver)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def default_backend(n_gpus: int | None = None) -> str:
+    """nccl when GPUs are present, gloo otherwise."""
+    if n_gpus is None:
+        n_gpus = accelerator_count()
+    return "nccl" if n_gpus > 0 else "gloo"
+
+
+def device_type(backend: str) -> str:
+    """The torch device type that a process-group backend drives."""
+    return "cuda" if backend == "nccl" else "cpu"
+
+
+def bind(local_rank: int, backend: str) -> str:
+    """Bind this process to its device and return the device string.
+
+    On GPUs, engine ``local_rank`` takes GPU ``local_rank`` of its host; on CPU
+    every engine uses ``cpu``.
+    """
+    import torch
+
+    if backend != "nccl":
+        return "cpu"
+    n = torch.cuda.device_count()
+    if local_rank >= n:
+        raise RuntimeError(
+            f"engine with local rank {local_rank} has no GPU: this host has {n}"
+        )
+    torch.cuda.set_device(local_rank)
+    return f"cuda:{local_rank}"
+
+
+def current_device(backend: str):
+    """The torch.device this process computes on."""
+    import torch
+
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def memory_stats(backend: str) -> dict:
+    """Allocated and peak bytes on this process's device (GPU only, else {})."""
+    import torch
+
+    if backend != "nccl" or not torch.cuda.is_initialized():
+        return {}
+    return {
+        "device_allocated_bytes": torch.cuda.memory_allocated(),
+        "device_peak_bytes": torch.cuda.max_memory_allocated(),
+    }
+
+
+def reset_peak(backend: str) -> None:
+    import torch
+
+    if backend == "nccl" and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def gpu_name() -> str | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_name(0)
+
+
+def synchronize(backend: str) -> None:
+    """Wait for queued device work so timers measure it (no-op on CPU)."""
+    import torch
+
+    if backend == "nccl":
+        torch.cuda.synchronize()
+
+
+def deepspeed_env() -> None:
+    """Make DeepSpeed run on CPU without a compiler when no GPU is visible."""
+    if accelerator_count() == 0:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
