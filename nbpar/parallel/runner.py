@@ -1,0 +1,93 @@
+"""The one interface every strategy implements: a step runner on one rank.
+
+`train.py` drives any strategy through it: hand it the micro-batches of one
+optimizer step, get back this rank's mean loss; ask it what memory it holds.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this rank really stores (a DTensor's local shard)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes held by ``tensors`` on this rank, each storage counted once."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or not isinstance(t, torch.Tensor):
+            continue
+        t = local_tensor(t)
+        key = (t.untyped_storage().data_ptr(), t.device)
+        if key in seen or t.untyped_storage().nbytes() == 0:
+            continue
+        seen.add(key)
+        total += t.untyped_storage().nbytes()
+    return total
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer):
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                yield v
+
+
+class StepRunner:
+    """Owns the (wrapped) model and optimizer of one strategy on one rank.
+
+    The base class is plain single-process training with gradient
+    accumulation; strategies override what differs (DDP's ``no_sync``,
+    DeepSpeed's engine, pipeline schedules).
+    """
+
+    def __init__(self, model: nn.Module, optimizer, loss_fn, *, autocast_dtype=None,
+                 device_type: str = "cpu"):
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.autocast_dtype = autocast_dtype
+        self.device_type = device_type
+
+    def autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.autocast_dtype)
+
+    def forward_backward(self, x, y, scale: float) -> torch.Tensor:
+        with self.autocast():
+            loss = self.loss_fn(self.model(x), y)
+        (loss * scale).backward()
+        return loss.detach().float()
+
+    def train_step(self, micro_batches) -> torch.Tensor:
+        """Accumulate gradients over ``micro_batches``, then one optimizer step.
+
+        Returns this rank's mean loss over its micro-batches (0-dim tensor).
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        scale = 1.0 / len(micro_batches)
+        losses = [self.forward_backward(x, y, scale) for x, y in micro_batches]
+        self.optimizer.step()
+        return torch.stack(losses).mean()
+
+    def parameters(self):
+        return list(self.model.parameters())
+
+    def memory(self) -> dict[str, int]:
+        """Parameter, gradient and optimizer-state bytes this rank holds."""
+        params = self.parameters()
+        return {
+            "param_bytes": tensor_bytes(params),
+            "grad_bytes": tensor_bytes(p.grad for p in params),
+            "optim_bytes": tensor_bytes(optimizer_state_tensors(self.optimizer)),
+        }
+
+    def close(self) -> None:
+        """Release what the strategy built (engines, groups); idempotent."""
+        self.optimizer = None
