@@ -1,0 +1,5 @@
+import sys
+
+from nbpar.cli import main
+
+sys.exit(main())

@@ -1,0 +1,48 @@
+"""Errors nbpar raises to the notebook: one clear sentence each."""
+from __future__ import annotations
+
+
+class PoolError(RuntimeError):
+    """The pool cannot do what was asked (not started, shut down, busy)."""
+
+
+class EngineDied(PoolError):
+    """An engine process died; the message names its rank."""
+
+    def __init__(self, message: str, ranks=()):
+        super().__init__(message)
+        self.ranks = list(ranks)
+
+
+class DistTimeout(PoolError, TimeoutError):
+    """A cell or collective did not finish in time on some ranks."""
+
+    def __init__(self, message: str, ranks=()):
+        super().__init__(message)
+        self.ranks = list(ranks)
+
+
+class RankError(RuntimeError):
+    """Code raised on one or more ranks; shows the first failing rank's traceback."""
+
+    def __init__(self, errors: dict):
+        self.errors = dict(sorted(errors.items()))  # rank -> (ename, evalue, traceback lines)
+        ranks = list(self.errors)
+        ename, evalue, _ = self.errors[ranks[0]]
+        where = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+        super().__init__(f"{ename} on {where}: {evalue}")
+
+    @property
+    def ranks(self):
+        return list(self.errors)
+
+    def _render_traceback_(self):
+        lines = []
+        rank = self.ranks[0]
+        ename, evalue, tb = self.errors[rank]
+        if len(self.ranks) > 1:
+            others = ", ".join(str(r) for r in self.ranks[1:])
+            lines.append(f"[rank {rank}] (ranks {others} failed too; first shown)")
+        for chunk in tb or [f"{ename}: {evalue}"]:
+            lines.extend(f"[rank {rank}] {line}" for line in chunk.splitlines())
+        return lines

@@ -1,0 +1,162 @@
+"""Running code on ranks and waiting for it without ever hanging the notebook.
+
+A wait returns as soon as every rank is done, as soon as an engine dies, a
+short grace period after a rank raised (its peers are then usually stuck in a
+collective waiting for it), or at the timeout.
+"""
+from __future__ import annotations
+
+import signal
+import sys
+import time
+
+from nbpar.errors import DistTimeout, EngineDied, PoolError, RankError
+
+#: Seconds to let the other ranks finish after one rank failed.
+GRACE_S = 2.0
+#: Seconds to wait for a finished cell's output messages to arrive.
+OUTPUT_WAIT_S = 5.0
+
+
+class DistResult:
+    """What each rank printed, displayed and returned, in rank order."""
+
+    def __init__(self, ranks, metadata):
+        self.ranks = list(ranks)
+        self.stdout = {r: md.get("stdout", "") for r, md in zip(ranks, metadata)}
+        self.stderr = {r: md.get("stderr", "") for r, md in zip(ranks, metadata)}
+        self.outputs = {r: md.get("outputs", []) for r, md in zip(ranks, metadata)}
+        self.results = {r: (md.get("execute_result") or {}).get("data", {})
+                        for r, md in zip(ranks, metadata)}
+
+    def text(self, ranks=None) -> str:
+        lines = []
+        for r in ranks if ranks is not None else self.ranks:
+            lines += [f"[rank {r}] {line}" for line in self.stdout[r].splitlines()]
+            if "text/plain" in self.results[r]:
+                lines.append(f"[rank {r}] Out: {self.results[r]['text/plain']}")
+        return "\n".join(lines)
+
+    def render(self, ranks=None) -> None:
+        """Print grouped output (``[rank N]`` prefixes, rank order) and displays."""
+        from IPython.display import publish_display_data
+
+        ranks = self.ranks if ranks is None else [r for r in self.ranks if r in ranks]
+        for r in ranks:
+            for line in self.stdout[r].splitlines():
+                print(f"[rank {r}] {line}")
+            for line in self.stderr[r].splitlines():
+                print(f"[rank {r}] {line}", file=sys.stderr)
+            if "text/plain" in self.results[r]:
+                print(f"[rank {r}] Out: {self.results[r]['text/plain']}")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for out in self.outputs[r]:
+                publish_display_data(out.get("data", {}), out.get("metadata", {}))
+
+    def __repr__(self):
+        return self.text() or f"<DistResult ranks={self.ranks} (no output)>"
+
+
+def _failure(ar):
+    """(ename, evalue, traceback lines) of a finished, failed AsyncResult."""
+    try:
+        ar.get(0)
+    except Exception as err:  # RemoteError, EngineError, ...
+        ename = getattr(err, "ename", type(err).__name__)
+        evalue = getattr(err, "evalue", str(err))
+        tb = getattr(err, "traceback", None)
+        return ename, evalue, [tb] if tb else None
+    return None
+
+
+def wait_all(pool, ars: dict, timeout: float | None, *, interruptible: bool = True) -> None:
+    """Wait for ``ars`` (rank -> AsyncResult); raise one clear error if it fails."""
+    start = time.monotonic()
+    first_failure = None
+    try:
+        while True:
+            pending = [r for r, ar in ars.items() if not ar.ready()]
+            failed = [r for r, ar in ars.items() if ar.ready() and not ar.successful()]
+            if failed and first_failure is None:
+                first_failure = time.monotonic()
+            if not pending or (failed and time.monotonic() - first_failure > GRACE_S):
+                break
+            dead = [r for r in pool.dead_ranks() if r in ars]
+            if dead and not failed:
+                failed = dead
+                break
+            if timeout is not None and time.monotonic() - start > timeout:
+                done = sorted(set(ars) - set(pending))
+                raise DistTimeout(
+                    f"rank(s) {pending} did not finish within {timeout:g} s"
+                    + (f" (rank(s) {done} did)" if done else "")
+                    + "; a rank waiting in a collective stays blocked until the process-"
+                    "group timeout: run `%dist restart` (or pool.restart()) to continue now",
+                    pending)
+            ars[pending[0]].wait(0.1)
+    except KeyboardInterrupt:
+        if interruptible:
+            interrupt(pool, [r for r, ar in ars.items() if not ar.ready()], ars)
+        raise
+    if not failed:
+        return
+    dead = [r for r in failed if r in pool.dead_ranks()]
+    errors = {r: _failure(ars[r]) for r in failed if r not in dead}
+    engine_errors = [r for r, e in errors.items() if e and e[0] == "EngineError"]
+    dead = sorted(set(dead) | set(engine_errors))
+    if dead:
+        raise EngineDied(f"the engine of rank(s) {dead} died; its peers cannot finish their "
+                         f"collectives: run `%dist restart` (or pool.restart()) to get a full "
+                         f"process group back", dead)
+    still = [r for r, ar in ars.items() if not ar.ready()]
+    err = RankError({r: e for r, e in errors.items() if e})
+    if still:
+        err.add_note(f"rank(s) {still} are still running (probably waiting in a collective "
+                     f"for the failed rank): run `%dist restart` before the next cell")
+    raise err
+
+
+def interrupt(pool, ranks, ars, wait_s: float = 3.0) -> None:
+    """Send SIGINT to the engines of ``ranks``; report ranks that stay stuck."""
+    if not ranks:
+        return
+    pids = [pool.engines[r]["pid"] for r in ranks]
+    import os
+
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGINT)
+        except OSError:
+            pass
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and not all(ars[r].ready() for r in ranks):
+        time.sleep(0.05)
+    stuck = [r for r in ranks if not ars[r].ready()]
+    if stuck:
+        print(f"nbpar: rank(s) {stuck} did not stop (stuck in a collective?): run "
+              f"`%dist restart` to get the pool back", file=sys.stderr)
+
+
+def run_cell(pool, code: str, ranks, timeout: float | None) -> DistResult:
+    """Execute ``code`` on ``ranks`` (each in its engine's namespace)."""
+    inflight = getattr(pool, "_inflight", {})
+    busy = [r for r in ranks if inflight.get(r) is not None and not inflight[r].ready()]
+    if busy:
+        raise PoolError(f"rank(s) {busy} are still running an earlier cell (maybe stuck in a "
+                        f"collective): wait for it, or run `%dist restart`")
+    dead = [r for r in pool.dead_ranks() if r in ranks]
+    if dead:
+        raise EngineDied(f"the engine of rank(s) {dead} is dead: run `%dist restart`", dead)
+    ars = {r: pool.client[pool.engine_id(r)].execute(code, block=False, silent=False)
+           for r in ranks}
+    pool._inflight = {**inflight, **ars}
+    try:
+        wait_all(pool, ars, timeout)
+    except RankError:
+        done = [r for r in ranks if ars[r].ready() and ars[r].wait_for_output(OUTPUT_WAIT_S)]
+        DistResult(done, [ars[r].metadata for r in done]).render()
+        raise
+    for r in ranks:  # the reply can arrive before the last output message
+        ars[r].wait_for_output(OUTPUT_WAIT_S)
+    return DistResult(ranks, [ars[r].metadata for r in ranks])

@@ -1,0 +1,73 @@
+"""IPython magics: ``%%dist`` runs a cell on every rank, ``%dist`` manages the pool.
+
+    %%dist [--targets 0,1] [--timeout S] [--rank0]
+    %dist status | start [N] | restart | shutdown
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+
+from IPython.core.magic import Magics, line_magic, cell_magic, magics_class
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise ValueError(f"{self.prog}: {message}")
+
+
+def _cell_parser() -> _Parser:
+    p = _Parser(prog="%%dist", add_help=False)
+    p.add_argument("--targets", "-t", default=None,
+                   help="ranks to run on: 'all' (default), '0', '0,2', '0-3'")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds before the cell gives up (default: the pool's)")
+    p.add_argument("--rank0", action="store_true", help="show only rank 0's output")
+    return p
+
+
+@magics_class
+class DistMagics(Magics):
+    @cell_magic
+    def dist(self, line, cell):
+        """Run the cell on the ranks of the current pool, output grouped per rank."""
+        from nbpar import pool as pool_mod
+
+        args = _cell_parser().parse_args(shlex.split(line))
+        if args.timeout is not None and args.timeout <= 0:
+            raise ValueError(f"%%dist: --timeout must be positive, got {args.timeout:g}")
+        pool = pool_mod.current()
+        result = pool.execute(cell, targets=args.targets, timeout=args.timeout)
+        result.render([0] if args.rank0 else None)
+
+    @line_magic("dist")
+    def dist_line(self, line):
+        """%dist status | start [N] | restart | shutdown"""
+        from IPython.display import display
+
+        import nbpar
+        from nbpar import pool as pool_mod
+
+        words = shlex.split(line)
+        cmd = words[0] if words else "status"
+        if cmd == "start":
+            n = int(words[1]) if len(words) > 1 else None
+            pool = nbpar.Pool(n)
+            self.shell.user_ns.setdefault("pool", pool)
+            return pool
+        if cmd not in ("status", "restart", "shutdown"):
+            raise ValueError(f"%dist: unknown command {cmd!r}; use status, start [N], "
+                             f"restart or shutdown")
+        pool = pool_mod.current()
+        if cmd == "status":
+            display(pool)
+        elif cmd == "restart":
+            pool.restart()
+            print(f"nbpar: restarted {pool.n} engine(s); process group ready")
+        else:
+            pool.shutdown()
+            print(f"nbpar: shut down {pool.n} engine(s)")
+
+
+def load_ipython_extension(ipython) -> None:
+    ipython.register_magics(DistMagics)

@@ -1,0 +1,155 @@
+"""A training run on a pool: started at once, watched while it trains.
+
+The engines train in their main thread and publish one record per step
+through ipyparallel's data publication (no round trip that would pause
+training); the client reads them from the AsyncResults as they arrive.
+Stopping goes through the rendezvous TCPStore: the client sets a key, rank
+0 reads it at a step boundary and broadcasts the decision, so every rank
+stops at the same step.
+"""
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+import uuid
+
+from nbpar.execute import wait_all
+
+_stop_stores: dict = {}
+
+
+def train_on_engine(cfg: dict, run_id: str, distributed_stop: bool) -> dict:
+    """Engine side: run_training with publication and a stop flag."""
+    from ipyparallel.datapub import publish_data
+
+    from nbpar import worker
+    from nbpar.train import run_training
+
+    seq = itertools.count()
+    store = worker._state.get("store")
+    key = f"stop/{run_id}"
+
+    def publish(record: dict) -> None:
+        publish_data({f"{run_id}/{next(seq):08d}": record})
+
+    def should_stop() -> bool:
+        flag = bool(store is not None and store.check([key]))
+        if not distributed_stop:
+            return flag
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([int(flag)])
+        dist.broadcast(t, 0)
+        return bool(t.item())
+
+    return run_training(cfg, publish=publish, should_stop=should_stop)
+
+
+class Run:
+    """One ``pool.train(cfg)``: live history, ``wait()``, ``stop()``, ``result()``."""
+
+    def __init__(self, pool, cfg, ranks):
+        self.pool, self.cfg, self.ranks = pool, cfg, ranks
+        self.run_id = uuid.uuid4().hex[:12]
+        self.started = time.time()
+        self._results = None
+        distributed = len(ranks) > 1
+        self._ars = {r: pool.client[pool.engine_id(r)].apply_async(
+            train_on_engine, cfg.to_dict(), self.run_id, distributed) for r in ranks}
+        pool._inflight = {**getattr(pool, "_inflight", {}), **self._ars}
+
+    # -- live state ----------------------------------------------------------
+    def done(self) -> bool:
+        return all(ar.ready() for ar in self._ars.values())
+
+    @property
+    def history(self) -> list[dict]:
+        """Every published step record so far, ordered by (step, rank)."""
+        records = []
+        for ar in self._ars.values():
+            data = ar.data if isinstance(ar.data, dict) else {}
+            records.extend(v for k, v in sorted(data.items()) if k.startswith(self.run_id))
+        return sorted(records, key=lambda rec: (rec["step"], rec["rank"]))
+
+    def losses(self, rank: int | None = None) -> list[float]:
+        rank = self.ranks[-1] if rank is None else rank
+        return [rec["loss"] for rec in self.history if rec["rank"] == rank]
+
+    # -- control -------------------------------------------------------------
+    def wait(self, timeout: float | None = None) -> "Run":
+        """Block until every rank finished; Ctrl-C / the interrupt button stops the run
+        at a step boundary and re-raises KeyboardInterrupt."""
+        try:
+            wait_all(self.pool, self._ars, timeout, interruptible=False)
+        except KeyboardInterrupt:
+            self.stop()
+            try:
+                wait_all(self.pool, self._ars, 10.0)
+            except Exception:
+                from nbpar.execute import interrupt
+
+                interrupt(self.pool, [r for r, a in self._ars.items() if not a.ready()],
+                          self._ars)
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Ask every rank to stop after its current step."""
+        store = _client_store(self.pool)
+        store.set(f"stop/{self.run_id}", "1")
+
+    def result(self) -> dict:
+        """The CLI's JSON shape: config, losses, per-rank memory, timing."""
+        self.wait()
+        if self._results is None:
+            self._results = {r: ar.get() for r, ar in self._ars.items()}
+        res = self._results
+        last = res[self.ranks[-1]]
+        ranks = [{"rank": r, **{k: res[r][k] for k in
+                                ("param_bytes", "grad_bytes", "optim_bytes", "peak_bytes")}}
+                 for r in self.ranks]
+        comm = [res[r]["comm_fraction"] for r in self.ranks if res[r]["comm_fraction"] is not None]
+        bubbles = [res[r]["bubble_fraction"] for r in self.ranks
+                   if res[r].get("bubble_fraction") is not None]
+        return {"config": self.cfg.to_dict(), "losses": last["losses"], "ranks": ranks,
+                "step_time_s": max(res[r]["step_time_s"] for r in self.ranks),
+                "comm_fraction": statistics.mean(comm) if comm else 0.0,
+                "bubble_fraction": max(bubbles) if bubbles else None}
+
+    def per_rank(self) -> dict:
+        self.wait()
+        return {r: ar.get() for r, ar in self._ars.items()}
+
+    def __repr__(self):
+        steps = {rec["step"] for rec in self.history}
+        state = "done" if self.done() else "running"
+        return (f"<nbpar.Run {self.cfg.strategy}/{self.cfg.backend} {self.cfg.model}: "
+                f"{len(steps)}/{self.cfg.steps} steps, {state}>")
+
+
+def _client_store(pool):
+    import datetime
+
+    import torch.distributed as dist
+
+    key = (id(pool), pool.addr, pool.rendezvous_port)
+    if key not in _stop_stores:
+        _stop_stores[key] = dist.TCPStore(pool.addr, pool.rendezvous_port, is_master=False,
+                                          timeout=datetime.timedelta(seconds=10))
+    return _stop_stores[key]
+
+
+def start_run(pool, cfg=None, **overrides) -> Run:
+    """Validate ``cfg`` against the pool (before any engine works) and start it."""
+    from nbpar.config import TrainConfig
+
+    if cfg is None:
+        cfg = TrainConfig(**overrides)
+    elif overrides:
+        cfg = TrainConfig.from_dict({**cfg.to_dict(), **overrides})
+    world = 1 if cfg.strategy == "single" else pool.n
+    cfg.validate(world)
+    ranks = [0] if cfg.strategy == "single" else list(range(pool.n))
+    return Run(pool, cfg, ranks)

@@ -1,0 +1,76 @@
+"""How a pool looks: one row per rank (rank, host, device, pid, memory, state)."""
+from __future__ import annotations
+
+import html
+import socket
+
+COLUMNS = ("rank", "host", "device", "pid", "memory", "state")
+
+
+def _rss(pid: int, host: str) -> int | None:
+    if host != socket.gethostname():
+        return None
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            import os
+
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def pool_status(pool) -> list[dict]:
+    """Rows of facts the client already knows; engine memory read from /proc locally."""
+    if pool.closed:
+        return [{**e, "state": "shut down", "memory": None} for e in pool.engines]
+    dead = set(pool.dead_ranks())
+    inflight = getattr(pool, "_inflight", {})
+    rows = []
+    for rank, eng in enumerate(pool.engines):
+        busy = inflight.get(rank) is not None and not inflight[rank].ready()
+        state = "dead" if rank in dead else "busy" if busy else "ready"
+        rows.append({"rank": rank, "host": eng["host"], "pid": eng["pid"],
+                     "device": eng["device"], "state": state,
+                     "memory": None if rank in dead else _rss(eng["pid"], eng["host"]),
+                     "backend": eng["backend"], "engine_id": eng["engine_id"],
+                     "env": {k: v for k, v in pool.env.items()}})
+    return rows
+
+
+def _cells(row) -> list[str]:
+    return [str(row["rank"]), row["host"], row["device"], str(row["pid"]),
+            human_bytes(row["memory"]), row["state"]]
+
+
+def status_text(pool) -> str:
+    rows = pool_status(pool)
+    head = (f"nbpar.Pool: {pool.n} engine(s), backend {pool.backend}, "
+            f"launcher {pool.launcher}" + (" (shut down)" if pool.closed else ""))
+    table = [list(COLUMNS)] + [_cells(r) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
+    return "\n".join([head, *lines])
+
+
+def status_html(pool) -> str:
+    rows = pool_status(pool)
+    esc = html.escape
+    head = "".join(f"<th>{c}</th>" for c in COLUMNS)
+    body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in _cells(r)) + "</tr>"
+                   for r in rows)
+    env = ""
+    if pool.env:
+        env = "<br>env: " + esc(", ".join(f"{k}={v}" for k, v in sorted(pool.env.items())))
+    return (f"<div class='nbpar-pool'><b>nbpar.Pool</b>: {pool.n} engine(s), backend "
+            f"<code>{esc(pool.backend)}</code>, launcher <code>{esc(pool.launcher)}</code>"
+            f"{' (shut down)' if pool.closed else ''}{env}"
+            f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>")

@@ -1,0 +1,139 @@
+"""What runs inside each engine: join (and re-join) the process group.
+
+The client calls these through ipyparallel. Engine 0 opens a TCPStore on a
+port the OS picks (so ports never collide), every engine then joins the
+default process group through it. Everything here is re-runnable: joining
+again first leaves the old group, so re-running the cell that makes a pool
+never hits "initialize the default process group twice".
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+
+_state: dict = {}
+
+
+def routable_address(peer_host: str) -> str:
+    """The address of this host on the interface that reaches ``peer_host``.
+
+    Engine 0's answer is the rendezvous address, so engines on other hosts can
+    reach it (no hard-coded localhost).
+    """
+    if peer_host in ("", "*", "0.0.0.0"):
+        peer_host = "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((peer_host, 9))  # UDP connect sends nothing
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def leave() -> None:
+    """Destroy this engine's process groups and store (safe to call twice)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _state.pop("store", None)
+
+
+def open_store(peer_host: str, port: int, timeout_s: float) -> tuple[str, int]:
+    """On engine 0: leave any old group, serve a TCPStore, return (addr, port)."""
+    import torch.distributed as dist
+
+    leave()
+    addr = routable_address(peer_host)
+    try:
+        store = dist.TCPStore(addr, port, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=timeout_s))
+    except Exception as err:  # RuntimeError/DistNetworkError: port in use
+        raise OSError(f"cannot listen on {addr}:{port} for the rendezvous: {err}") from None
+    _state["store"] = store
+    return addr, store.port
+
+
+def join(rank: int, world_size: int, addr: str, port: int, backend: str,
+         timeout_s: float, env: dict, watch: dict | None = None) -> dict:
+    """Join the default process group as ``rank``; return this engine's facts."""
+    import torch
+    import torch.distributed as dist
+
+    from nbpar import device
+
+    os.environ.update(env)
+    if rank != 0:
+        leave()
+        store = dist.TCPStore(addr, port, is_master=False,
+                              timeout=timedelta(seconds=timeout_s))
+        _state["store"] = store
+    store = _state["store"]
+    host = socket.gethostname()
+    store.set(f"host/{rank}", host)
+    hosts = [store.get(f"host/{r}").decode() for r in range(world_size)]
+    local_rank = hosts[:rank].count(host)
+    local_world = hosts.count(host)
+    dev = device.bind(local_rank, backend)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
+                      LOCAL_WORLD_SIZE=str(local_world), MASTER_ADDR=addr,
+                      MASTER_PORT=str(port))
+    if backend == "gloo" and "OMP_NUM_THREADS" not in env:
+        # engines on one host share its cores: don't oversubscribe them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    if watch and watch.get("host") == host:
+        _watch_client(watch["pid"], watch.get("also_kill", ()))
+    _state.update(rank=rank, world_size=world_size, backend=backend)
+    return {"rank": rank, "host": host, "pid": os.getpid(), "device": dev,
+            "local_rank": local_rank, "backend": backend, "addr": addr, "port": port,
+            "threads": torch.get_num_threads()}
+
+
+def _watch_client(client_pid: int, also_kill=()) -> None:
+    """Exit this engine (and the controller) if the client kernel dies.
+
+    Normal shutdown stops engines through ipyparallel; this covers a kernel that
+    was killed outright, so no engine outlives it.
+    """
+    if _state.get("watching") == client_pid:
+        return
+    _state["watching"] = client_pid
+
+    def watch():
+        while True:
+            time.sleep(1.0)
+            try:
+                os.kill(client_pid, 0)
+            except ProcessLookupError:
+                for pid in also_kill:
+                    try:
+                        os.kill(pid, 15)
+                    except OSError:
+                        pass
+                os._exit(0)
+            except PermissionError:
+                pass
+
+    threading.Thread(target=watch, name="nbpar-client-watch", daemon=True).start()
+
+
+def memory() -> dict:
+    """Resident and peak memory of this engine, plus device memory on GPUs."""
+    import resource
+
+    from nbpar import device
+
+    rss = 0
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"rss_bytes": rss, "peak_rss_bytes": peak,
+            **device.memory_stats(_state.get("backend", "gloo"))}

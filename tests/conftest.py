@@ -1,0 +1,40 @@
+"""Test session set-up: IPython and temp dirs inside the run, no leftover processes."""
+from __future__ import annotations
+
+import os
+import pathlib
+import tempfile
+
+_root = pathlib.Path(__file__).resolve().parent.parent
+_scratch = pathlib.Path(os.environ.get("NBPAR_TEST_SCRATCH", _root / ".tmp"))
+_scratch.mkdir(parents=True, exist_ok=True)
+os.environ.setdefault("IPYTHONDIR", str(_scratch / "ipython"))
+os.environ.setdefault("MPLBACKEND", "Agg")
+os.environ.setdefault("MPLCONFIGDIR", str(_scratch / "mpl"))
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+tempfile.tempdir = str(_scratch)
+
+import psutil  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left_behind():
+    """Every engine and controller a test starts must be gone when the tests end."""
+    yield
+    me = psutil.Process()
+    left = [p for p in me.children(recursive=True)
+            if any(s in " ".join(p.cmdline()) for s in ("ipyparallel", "nbpar._engine"))]
+    for p in left:
+        p.kill()
+    assert not left, f"processes left running: {[p.cmdline() for p in left]}"
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """A 2-engine pool shared by the tests of one module."""
+    import nbpar
+
+    p = nbpar.Pool(2, replace=False)
+    yield p
+    p.shutdown()
