@@ -1,0 +1,244 @@
+"""Analytic per-rank memory estimate for DDP, ZeRO-1/2/3, tensor, pipeline and hybrid training.
+
+Model states follow the ZeRO paper (Rajbhandari et al. 2020, Fig. 1): with mixed precision a
+parameter costs 2 bytes (16-bit weights) + 2 (16-bit gradients) + K = 12 (fp32 master weights,
+Adam momentum and variance); stage 1 shards the optimizer states over the data-parallel group,
+stage 2 also the gradients, stage 3 also the parameters. Activations follow Korthikanti et al.
+2022 (Megatron-LM, "Reducing Activation Recomputation in Large Transformer Models"), eqs. 1-5.
+Pure Python: no torch at import, matplotlib only inside `MemoryEstimate.plot`.
+"""
+from __future__ import annotations
+
+import html
+import math
+from dataclasses import dataclass
+from numbers import Integral, Real
+
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "pipeline", "tp", "hybrid")
+OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}  # fp32 tensors/param
+PRECISIONS = {"fp32": "fp32", "mixed": "mixed", "bf16": "mixed", "fp16": "mixed"}
+OFFLOADS = ("none", "optimizer", "params")
+ACTIVATION_KEYS = ("batch", "seq_len", "hidden", "layers", "heads")
+ZERO_NAMES = ("baseline", "P_os", "P_os+g", "P_os+g+p")  # ZeRO paper, Fig. 1 columns
+GB = 1e9  # tables use decimal GB, as the papers do: 13e9 fp32 params = 52 GB
+
+_ZERO_STAGE = {"zero1": 1, "zero2": 2, "zero3": 3}
+_OWN_DIM = {"ddp": "dp", "zero1": "dp", "zero2": "dp", "zero3": "dp", "pipeline": "pp",
+            "tp": "tp"}
+_MEASURED = {"params": "param_bytes", "grads": "grad_bytes", "optim": "optim_bytes"}
+
+
+def _int(name: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+    return int(value)
+
+
+def _choice(name: str, value, allowed) -> str:
+    if value not in allowed:
+        raise ValueError(f"Unknown {name} {value!r}; allowed: {', '.join(allowed)}.")
+    return value
+
+
+def bytes_per_param(optimizer: str = "adam", precision: str = "fp32") -> tuple[int, int, int]:
+    """(param, grad, optimizer) bytes per parameter: fp32 Adam 4+4+8, mixed Adam 2+2+12."""
+    states = 4 * OPTIMIZER_STATES[_choice("optimizer", optimizer, OPTIMIZER_STATES)]
+    if PRECISIONS[_choice("precision", precision, PRECISIONS)] == "fp32":
+        return 4, 4, states
+    return 2, 2, 4 + states  # the optimizer also keeps the fp32 master weights
+
+
+def resolve_degrees(strategy: str, world_size: int, dp=None, tp=None, pp=None):
+    """(dp, tp, pp) as the CLI fills them: the strategy's own degree takes what the others leave."""
+    world_size = _int("world_size", world_size)
+    given = {k: (None if v is None else _int(k, v)) for k, v in (("dp", dp), ("tp", tp),
+                                                                  ("pp", pp))}
+    if strategy == "single":
+        if world_size != 1 or any(v not in (None, 1) for v in given.values()):
+            raise ValueError(f"Strategy 'single' runs on one rank: world_size and dp/tp/pp must "
+                             f"be 1, got world_size={world_size}, {given}.")
+        return 1, 1, 1
+    if strategy == "hybrid" and all(v is None for v in given.values()):
+        raise ValueError(f"Strategy 'hybrid' needs explicit degrees dp, tp, pp whose product is "
+                         f"world_size={world_size}.")
+    own = _OWN_DIM.get(strategy)
+    if own is not None and given[own] is None:
+        others = math.prod(v or 1 for k, v in given.items() if k != own)
+        if world_size % others:
+            raise ValueError(f"world_size={world_size} is not divisible by the given degrees "
+                             f"(product {others}) for strategy {strategy!r}.")
+        given[own] = world_size // others
+    dp, tp, pp = (given[k] or 1 for k in ("dp", "tp", "pp"))
+    if dp * tp * pp != world_size:
+        raise ValueError(f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} must equal "
+                         f"world_size={world_size}.")
+    return dp, tp, pp
+
+
+def activation_bytes_per_layer(batch: int, seq_len: int, hidden: int, heads: int, *, tp: int = 1,
+                               element_bytes: int = 2, sequence_parallel: bool = True) -> float:
+    """Bytes one transformer layer keeps for backward, no recomputation (Korthikanti 2022).
+
+    16-bit activations give eq. 1, s*b*h*(34 + 5*a*s/h): tensors of e bytes plus 1-byte
+    dropout masks, so e = 4 (fp32) gives s*b*h*(66 + 9*a*s/h). With tensor parallelism and
+    sequence parallelism everything divides by t (eq. 4); without it the layer-norm and
+    linear inputs and the dropout masks stay replicated (eq. 2: 10 + 24/t + 5*a*s/(h*t)).
+    An approximation: embeddings, the output head and the loss are left out.
+    """
+    s, b, h, a = seq_len, batch, hidden, heads
+    replicated = 4 * element_bytes + 2     # 2 layer-norm in, QKV in, MLP in (e), 2 masks (1)
+    sharded = 12 * element_bytes           # Q, K, V, proj in (e sbh each), GeLU in/out (4e sbh)
+    scores = (2 * element_bytes + 1) * a * s / h  # softmax out, dropout out (e), mask (1)
+    if sequence_parallel:
+        return s * b * h * (replicated + sharded + scores) / tp
+    return s * b * h * (replicated + (sharded + scores) / tp)
+
+
+def _activations(spec, tp: int, pp: int, element_bytes: int) -> float:
+    if not isinstance(spec, dict):
+        raise ValueError(f"activations must be a dict with keys {ACTIVATION_KEYS}, got {spec!r}.")
+    extra = set(spec) - set(ACTIVATION_KEYS) - {"sequence_parallel", "in_flight"}
+    missing = [k for k in ACTIVATION_KEYS if k not in spec]
+    if extra or missing:
+        raise ValueError(f"activations needs keys {ACTIVATION_KEYS} (optional sequence_parallel, "
+                         f"in_flight); missing {missing}, unknown {sorted(extra)}.")
+    v = {k: _int(f"activations[{k!r}]", spec[k]) for k in ACTIVATION_KEYS}
+    in_flight = _int("activations['in_flight']", spec.get("in_flight", 1))
+    if v["layers"] < pp:
+        raise ValueError(f"activations['layers']={v['layers']} must be >= pp={pp}.")
+    per_layer = activation_bytes_per_layer(
+        v["batch"], v["seq_len"], v["hidden"], v["heads"], tp=tp, element_bytes=element_bytes,
+        sequence_parallel=bool(spec.get("sequence_parallel", True)))
+    return math.ceil(v["layers"] / pp) * per_layer * in_flight
+
+
+def estimate_memory(params: float, world_size: int = 1, strategy: str = "ddp", *,
+                    dp: int | None = None, tp: int | None = None, pp: int | None = None,
+                    optimizer: str = "adam", precision: str = "fp32", offload: str = "none",
+                    activations: dict | None = None) -> MemoryEstimate:
+    """Bytes each rank holds for parameters, gradients, optimizer states (and activations).
+
+    Psi = params / (tp * pp) per model-parallel rank, then the ZeRO stage of `strategy`
+    divides over dp. offload="optimizer" moves optimizer states (with mixed precision the
+    fp32 master copy too) to the host; "params" (stage 3 only) moves the parameters as well.
+    Offloaded bytes go to per_rank_bytes["host"], not "total". `activations` is an optional
+    dict(batch=, seq_len=, hidden=, layers=, heads=[, sequence_parallel=True, in_flight=1]):
+    in_flight is how many micro-batches a stage holds at once (pp on 1F1B's first stage).
+    """
+    if isinstance(params, bool) or not isinstance(params, Real) or not math.isfinite(params) \
+            or params <= 0:
+        raise ValueError(f"params must be a positive finite number, got {params!r}.")
+    _choice("strategy", strategy, STRATEGIES)
+    _choice("offload", offload, OFFLOADS)
+    p_b, g_b, o_b = bytes_per_param(optimizer, precision)
+    dp, tp, pp = resolve_degrees(strategy, world_size, dp, tp, pp)
+    stage = _ZERO_STAGE.get(strategy, 0)
+    if offload == "params" and stage != 3:
+        raise ValueError(f"offload='params' needs ZeRO stage 3 (strategy 'zero3'), got "
+                         f"strategy {strategy!r}.")
+    psi = params / (tp * pp)
+    nbytes = {"params": p_b * psi / (dp if stage >= 3 else 1),
+              "grads": g_b * psi / (dp if stage >= 2 else 1),
+              "optim": o_b * psi / (dp if stage >= 1 else 1)}
+    moved = {"none": (), "optimizer": ("optim",), "params": ("optim", "params")}[offload]
+    host = sum(nbytes[key] for key in moved)
+    nbytes.update({key: 0.0 for key in moved})
+    if activations is not None:  # activations are kept in the compute dtype
+        nbytes["activations"] = _activations(activations, tp, pp, p_b)
+    nbytes["total"] = sum(nbytes.values())
+    if offload != "none":
+        nbytes["host"] = host
+    return MemoryEstimate(per_rank_bytes=nbytes, params=params, world_size=dp * tp * pp,
+                          strategy=strategy, dp=dp, tp=tp, pp=pp, zero_stage=stage,
+                          optimizer=optimizer, precision=precision, offload=offload,
+                          activations=None if activations is None else dict(activations))
+
+
+def zero_table(params: float, dp: int, optimizer: str = "adam",
+               precision: str = "mixed") -> list[dict]:
+    """The ZeRO paper's Fig. 1 rows: per-device GB for baseline, P_os, P_os+g, P_os+g+p."""
+    rows = []
+    for name, strategy in zip(ZERO_NAMES, ("ddp", "zero1", "zero2", "zero3")):
+        est = estimate_memory(params, dp, strategy, optimizer=optimizer, precision=precision)
+        row = {"name": name, "stage": est.zero_stage}
+        row.update({f"{k}_gb": v / GB for k, v in est.per_rank_bytes.items()})
+        rows.append(row)
+    return rows
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-rank bytes (raw, keys params/grads/optim/total[/activations][/host]) and the inputs."""
+
+    per_rank_bytes: dict
+    params: float
+    world_size: int
+    strategy: str
+    dp: int
+    tp: int
+    pp: int
+    zero_stage: int
+    optimizer: str
+    precision: str
+    offload: str
+    activations: dict | None = None
+
+    def to_json(self) -> dict:
+        """A JSON-ready dict: {"per_rank_bytes": {...}, "strategy": ..., ...}."""
+        out = {"per_rank_bytes": dict(self.per_rank_bytes)}
+        for key in ("params", "world_size", "strategy", "dp", "tp", "pp", "zero_stage",
+                    "optimizer", "precision", "offload", "activations"):
+            value = getattr(self, key)
+            out[key] = dict(value) if isinstance(value, dict) else value
+        return out
+
+    def _title(self) -> str:
+        return (f"{self.params / 1e9:g}B params, {self.strategy} (ZeRO stage {self.zero_stage}), "
+                f"dp={self.dp} tp={self.tp} pp={self.pp}, {self.optimizer}, {self.precision}"
+                + (f", offload={self.offload}" if self.offload != "none" else ""))
+
+    def table(self) -> str:
+        """Human table of GB per rank, one line per key, e.g. 'params 52.0 GB'."""
+        width = max(len(k) for k in self.per_rank_bytes)
+        lines = [f"{k:<{width}} {v / GB:.1f} GB" + (" (host, not in total)" if k == "host"
+                                                     else "")
+                 for k, v in self.per_rank_bytes.items()]
+        return "\n".join([f"Per-rank memory: {self._title()}", *lines])
+
+    def _repr_html_(self) -> str:
+        rows = "".join(f"<tr><td>{html.escape(k)}</td><td style='text-align:right'>"
+                       f"{v / GB:.2f} GB</td><td style='text-align:right'>{v:,.0f}</td></tr>"
+                       for k, v in self.per_rank_bytes.items())
+        return (f"<table><caption>Per-rank memory: {html.escape(self._title())}</caption>"
+                f"<tr><th>part</th><th>GB</th><th>bytes</th></tr>{rows}</table>")
+
+    def __repr__(self) -> str:
+        return (f"MemoryEstimate(strategy={self.strategy!r}, dp={self.dp}, tp={self.tp}, "
+                f"pp={self.pp}, total={self.per_rank_bytes['total'] / GB:.2f} GB/rank)")
+
+    def plot(self, ax=None):
+        """Stacked bar (GB) of params/grads/optim/activations per rank; returns the Figure."""
+        from nbpar.memory_plot import plot_estimate
+        return plot_estimate(self, ax)
+
+    def compare(self, measured: dict) -> dict:
+        """Measured (param_bytes, grad_bytes, optim_bytes of one rank) vs this estimate.
+
+        Returns {key: {"measured", "estimated", "rel_error"}} for each key given, with
+        rel_error = (measured - estimated) / estimated (0 when both are 0, inf if only the
+        estimate is 0).
+        """
+        if not isinstance(measured, dict) or not any(m in measured for m in _MEASURED.values()):
+            raise ValueError(f"measured must be a dict with any of {tuple(_MEASURED.values())}, "
+                             f"got {measured!r}.")
+        out = {}
+        for key, mkey in _MEASURED.items():
+            if mkey not in measured:
+                continue
+            m = measured[mkey]
+            if isinstance(m, bool) or not isinstance(m, Real) or m < 0:
+                raise ValueError(f"measured[{mkey!r}] must be a number >= 0, got {m!r}.")
+            est = self.per_rank_bytes[key]
+            rel = (m - est) / est if est else (0.0 if m == 0 else math.inf)
+            out[key] = {"measured": m, "estimated": est, "rel_error": rel}
+        return out
