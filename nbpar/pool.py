@@ -160,7 +160,8 @@ class Pool:
             client_kwargs["cluster_id"] = cluster_id
         self.client = ipp.Client(**client_kwargs)
         if n is not None:
-            self.client.wait_for_engines(_check_n(n), timeout=self.start_timeout)
+            self.client.wait_for_engines(_check_n(n), timeout=self.start_timeout,
+                                         interactive=False)
         self.n = n or len(self.client.ids)
         if self.n < 1:
             raise PoolError("the cluster has no engines")
@@ -182,7 +183,10 @@ class Pool:
         cluster.config.EngineLauncher.engine_cmd = [sys.executable, "-m", "nbpar._engine"]
         if self.env:
             cluster.config.EngineLauncher.environment = dict(self.env)
-        self.client = cluster.start_and_connect_sync()
+        cluster.start_cluster_sync()
+        self.client = cluster.connect_client_sync()
+        # no progress bar: notebook outputs must stay stable
+        self.client.wait_for_engines(self.n, timeout=self.start_timeout, interactive=False)
         self._engine_ids = sorted(self.client.ids)[: self.n]
 
     def _rendezvous(self):
