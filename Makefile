@@ -1,0 +1,55 @@
+# nbpar — set up, test, demo. `make test` is what CI runs (.ci/run).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+DEEPSPEED_VERSION ?= 0.19.8
+# Everything a run writes stays inside the checkout: no IPython profile or
+# temp files in the home directory.
+export IPYTHONDIR := $(CURDIR)/.tmp/ipython
+export JUPYTER_CONFIG_DIR := $(CURDIR)/.tmp/jupyter
+export JUPYTER_RUNTIME_DIR := $(CURDIR)/.tmp/jupyter/runtime
+export MPLCONFIGDIR := $(CURDIR)/.tmp/mpl
+export TMPDIR := $(CURDIR)/.tmp
+export MPLBACKEND := Agg
+export PYTHONDONTWRITEBYTECODE := 1
+
+.PHONY: setup test test-unit test-notebooks demo lab bench clean
+
+setup: $(VENV)/.done
+
+$(VENV)/.done: pyproject.toml scripts/install_torch.sh
+	@mkdir -p .tmp
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	TORCH_VERSION=$(TORCH_VERSION) sh scripts/install_torch.sh $(PY)
+	$(PY) -m pip install -q -e ".[test,lab,monitor]"
+	$(PY) -m pip install -q --no-build-isolation "deepspeed==$(DEEPSPEED_VERSION)"
+	$(PY) -c "import torch, deepspeed, ipyparallel, nbpar; print('nbpar ready: torch', torch.__version__)"
+	@touch $@
+
+test: setup test-unit test-notebooks
+
+test-unit: setup
+	@mkdir -p .tmp
+	$(PY) -m pytest -q -p no:randomly --timeout 600 tests
+
+test-notebooks: setup
+	@mkdir -p .tmp
+	$(PY) -m pytest -q --nbval notebooks --timeout 300 -p no:randomly
+
+demo: setup
+	@mkdir -p .tmp artifacts
+	$(PY) -m jupyter nbconvert --to notebook --execute notebooks/00_quickstart.ipynb \
+	    --output-dir artifacts --ExecutePreprocessor.timeout=300
+	@echo "Executed notebook with outputs: artifacts/00_quickstart.ipynb"
+	@echo "Open the notebooks in JupyterLab with: make lab"
+
+lab: setup
+	$(PY) -m jupyter lab --ip 127.0.0.1 --no-browser notebooks
+
+bench: setup
+	$(PY) -m nbpar bench launch --engines 2 --json
+
+clean:
+	rm -rf .tmp artifacts $(VENV)

@@ -1,0 +1,59 @@
+# %% [markdown]
+# # 00 · Quickstart: a pool of engines, one process group
+#
+# `nbpar.Pool(2)` starts two ipyparallel engines and joins them into one
+# `torch.distributed` process group (gloo on CPU, nccl with one engine per GPU).
+# `%%dist` then runs a cell on every rank; the output of each rank is grouped under
+# `[rank N]`, in rank order.
+
+# %%
+import nbpar
+%load_ext nbpar
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+pool = nbpar.Pool(2)
+pool
+
+# %% [markdown]
+# Every rank runs the same cell. `all_reduce` sums a tensor across ranks: rank 0
+# contributes 0, rank 1 contributes 1, so every rank ends with 1.
+
+# %%
+%%dist
+import torch
+import torch.distributed as dist
+
+t = torch.ones(1) * dist.get_rank()
+dist.all_reduce(t)
+print(f"rank {dist.get_rank()} of {dist.get_world_size()}: sum = {t.item()}")
+
+# %% [markdown]
+# `--targets` picks ranks; engines keep their variables between cells, like a kernel.
+
+# %%
+%%dist --targets 1
+print("only rank 1 runs this; t is still", t.item())
+
+# %% [markdown]
+# A failing rank shows its own traceback, prefixed with its rank:
+
+# %%
+%%dist
+# NBVAL_RAISES_EXCEPTION
+if dist.get_rank() == 1:
+    raise ValueError("something went wrong on rank 1 only")
+
+# %% [markdown]
+# `pool.status()` (and `%dist status`) tell what each engine is doing without
+# interrupting it.
+
+# %%
+[(row["rank"], row["device"], row["state"]) for row in pool.status()]
+
+# %% [markdown]
+# Re-running the cell that makes the pool is safe: the old engines are shut down
+# first. When you are done:
+
+# %%
+pool.shutdown()
