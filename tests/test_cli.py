@@ -1,0 +1,53 @@
+"""The nbpar command line: one JSON object on stdout, exit 2 + one line on bad input."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def nbpar(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "nbpar", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["train", "--engines", "0"], "--engines"),
+    (["train", "--strategy", "bogus"], "invalid choice: 'bogus'"),
+    (["train", "--micro-batch", "-1"], "--micro-batch"),
+    (["train", "--steps", "0"], "--steps"),
+    (["train", "--strategy", "single", "--engines", "2"], "--engines 1"),
+    (["estimate", "--params", "-5", "--world-size", "8"], "--params"),
+    (["estimate", "--params", "1e9"], "--world-size"),
+    (["bench", "launch", "--engines", "x"], "--engines"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_bad_arguments_exit_2_with_one_line(args, needle):
+    out = nbpar(*args, "--json")
+    assert out.returncode == 2
+    assert out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], out.stderr
+
+
+def test_estimate_json_is_the_classic_table():
+    out = nbpar("estimate", "--params", "13e9", "--world-size", "1", "--strategy", "single",
+                "--optimizer", "adam", "--precision", "fp32", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["per_rank_bytes"]["params"] == 52e9
+    assert doc["per_rank_bytes"]["grads"] == 52e9
+    assert doc["per_rank_bytes"]["optim"] == 104e9
+    assert doc["per_rank_bytes"]["total"] == 208e9
+
+
+@pytest.mark.timeout(300)
+def test_bench_launch_measures_both_side_by_side():
+    out = nbpar("bench", "launch", "--engines", "2", "--reps", "3", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    for block in (doc, doc["baseline"]):
+        assert set(block) >= {"ready_s", "cell_ms", "allreduce_ms"}
+        assert all(block[k] > 0 for k in ("ready_s", "cell_ms", "allreduce_ms"))
