@@ -1,0 +1,57 @@
+"""Faults injected for real: a killed engine, a hung collective, an interrupt."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from nbpar.errors import DistTimeout, EngineDied
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _allreduce_ok(pool) -> float:
+    res = pool.execute("import torch, torch.distributed as dist\nt = torch.ones(1)\n"
+                       "dist.all_reduce(t)\nt.item()")
+    return float(res.results[0]["text/plain"])
+
+
+def test_killed_engine_gives_a_clear_error_fast_and_restart_recovers(pool):
+    victim = pool.engines[1]["pid"]
+    threading.Timer(1.0, os.kill, (victim, signal.SIGKILL)).start()
+    t = time.monotonic()
+    with pytest.raises(EngineDied, match=r"rank\(s\) \[1\] died") as info:
+        pool.execute("import time, torch, torch.distributed as dist\n"
+                     "for _ in range(100):\n    dist.all_reduce(torch.ones(1))\n"
+                     "    time.sleep(0.1)")
+    assert time.monotonic() - t < 10
+    assert info.value.ranks == [1]
+    assert pool.status()[1]["state"] == "dead"
+    pool.restart()
+    assert [r["state"] for r in pool.status()] == ["ready", "ready"]
+    assert _allreduce_ok(pool) == 2.0
+
+
+def test_hung_collective_times_out_then_pool_is_usable_after_restart(pool):
+    t = time.monotonic()
+    with pytest.raises(DistTimeout, match=r"\[0\] did not finish within 3 s"):
+        pool.execute("import torch, torch.distributed as dist\n"
+                     "if dist.get_rank() == 0:\n    dist.all_reduce(torch.ones(1))",
+                     timeout=3)
+    assert time.monotonic() - t < 8
+    pool.restart()
+    assert _allreduce_ok(pool) == 2.0
+
+
+def test_interrupt_stops_a_long_cell_and_keeps_the_pool(pool):
+    # what the notebook's interrupt button does: SIGINT to the kernel while it waits
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    t = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        pool.execute("import time\nfor _ in range(600):\n    time.sleep(0.05)")
+    assert time.monotonic() - t < 8
+    assert [r["state"] for r in pool.status()] == ["ready", "ready"]
+    assert _allreduce_ok(pool) == 2.0
