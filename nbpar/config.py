@@ -1,0 +1,293 @@
+"""Validated training configuration: what to train, how to split it, how long.
+
+`TrainConfig` is the one object the widgets, the CLI and `pool.train` build; it
+is checked once, before any engine does work, so a bad combination fails with
+one sentence instead of a hang inside a collective. Degrees become a
+`ParallelDims` (torchtitan-style topology, in `nbpar.parallel.mesh`).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+
+from nbpar.parallel.mesh import ParallelDims
+
+MODELS = ("simple_cnn", "tiny_gpt")
+DATASETS = {"simple_cnn": ("cifar10", "digits"), "tiny_gpt": ("pysource",)}
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "pipeline", "tp", "hybrid")
+BACKENDS = ("torch", "deepspeed")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+PRECISIONS = ("fp32", "bf16", "fp16")
+OPTIMIZERS = ("adam", "sgd")
+OFFLOADS = ("none", "optimizer", "params")
+DATA_PARALLEL = ("ddp", "zero1", "zero2", "zero3")
+PIPELINED = ("pipeline", "hybrid")
+DEEPSPEED_STRATEGIES = DATA_PARALLEL + PIPELINED
+GPT_ONLY = ("pipeline", "tp", "hybrid")
+DEFAULT_SCHEDULE = "1f1b"
+
+
+def _choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not supported; choose one of {', '.join(allowed)}")
+
+
+def _positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+
+
+@dataclass(kw_only=True)
+class GPTConfig:
+    """Sizes of the tiny decoder-only transformer (GPT-2 layout, pre-norm)."""
+
+    vocab_size: int = 256
+    """number of token ids; 256 = one token per byte"""
+    seq_len: int = 32
+    """context length in tokens (also the number of position embeddings)"""
+    d_model: int = 32
+    """hidden width d"""
+    n_heads: int = 4
+    """attention heads; must divide d_model (and be divisible by the tp degree)"""
+    n_layers: int = 2
+    """number of transformer blocks"""
+    ffn_mult: int = 4
+    """feed-forward width = ffn_mult * d_model"""
+    dropout: float = 0.0
+    """dropout probability in attention and feed-forward (0 keeps runs comparable)"""
+
+    def validate(self) -> "GPTConfig":
+        for f in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "ffn_mult"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"gpt.{f} must be a positive integer, got {v!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"gpt.n_heads={self.n_heads} must divide gpt.d_model={self.d_model}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"gpt.dropout must be in [0, 1), got {self.dropout!r}")
+        return self
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """One training experiment: model, data, strategy, degrees and step budget."""
+
+    model: str = "tiny_gpt"
+    """"simple_cnn" (CIFAR-10 shaped images) or "tiny_gpt" (byte-level language model)"""
+    dataset: str | None = None
+    """None = the model's default: "cifar10" for simple_cnn, "pysource" for tiny_gpt;
+    simple_cnn also takes "digits" (scikit-learn's bundled 8x8 digits)"""
+    data_dir: str | None = None
+    """where CIFAR-10 format files live; generated there (synthetic) when absent"""
+    strategy: str = "ddp"
+    """single ddp zero1 zero2 zero3 pipeline tp hybrid"""
+    backend: str = "torch"
+    """"torch" (native DDP/ZeroRedundancyOptimizer/FSDP2/pipelining/DTensor) or "deepspeed\""""
+    dp: int | None = None
+    """data-parallel degree; None = the strategy's default (all engines for ddp/zero*)"""
+    tp: int | None = None
+    """tensor-parallel degree; None = all engines for tp, else 1"""
+    pp: int | None = None
+    """pipeline stages; None = all engines for pipeline, else 1"""
+    schedule: str = DEFAULT_SCHEDULE
+    """pipeline schedule gpipe | 1f1b | interleaved; only pipeline/hybrid may change it"""
+    micro_batch: int = 8
+    """samples per micro-batch on one data-parallel rank"""
+    grad_accum: int = 1
+    """micro-batches per optimizer step (for pipelines: micro-batches in flight)"""
+    steps: int = 20
+    """optimizer steps to run"""
+    lr: float = 1e-3
+    """learning rate"""
+    optimizer: str = "adam"
+    """"adam" (torch.optim.Adam) or "sgd" (torch.optim.SGD, no momentum)"""
+    precision: str = "fp32"
+    """fp32 | bf16 (autocast) | fp16 (deepspeed only: it brings the loss scaler)"""
+    offload: str = "none"
+    """none | optimizer | params: DeepSpeed ZeRO-Offload of optimizer state / parameters"""
+    seed: int = 0
+    """seeds model init, data order and the synthetic data set"""
+    fsdp_reshard: bool | None = None
+    """FSDP2 reshard_after_forward; None = False for zero2, True for zero3"""
+    deepspeed_config: dict | str | None = None
+    """a ds_config dict or the path of a ds_config.json (backend deepspeed only)"""
+    gpt: GPTConfig = field(default_factory=GPTConfig)
+    """sizes of tiny_gpt"""
+    checkpoint_dir: str | None = None
+    """where checkpoints are written"""
+    checkpoint_every: int = 0
+    """save every N steps; 0 = never"""
+
+    # ---- derived values -------------------------------------------------
+    def dataset_name(self) -> str:
+        """The dataset actually used (resolves the model's default)."""
+        return self.dataset if self.dataset is not None else DATASETS[self.model][0]
+
+    def fsdp_reshard_after_forward(self) -> bool:
+        """FSDP2's reshard_after_forward: ZeRO-3 frees params after forward, ZeRO-2 keeps them."""
+        return self.fsdp_reshard if self.fsdp_reshard is not None else self.strategy == "zero3"
+
+    def dims(self, world_size: int) -> ParallelDims:
+        """The validated (pp, dp, tp) topology for ``world_size`` engines."""
+        s, given = self.strategy, {k: getattr(self, k) for k in ("dp", "tp", "pp")}
+        if s == "single":
+            default = {}
+        elif s in DATA_PARALLEL:
+            default = {"dp": world_size}
+        elif s == "pipeline":
+            default = {"pp": world_size}
+        elif s == "tp":
+            default = {"tp": world_size}
+        else:  # hybrid
+            if all(v is None for v in given.values()):
+                raise ValueError("strategy 'hybrid' needs explicit degrees (set dp, tp and/or pp, "
+                                 "e.g. dp=2, pp=2)")
+            default = {}
+        degrees = {k: given[k] if given[k] is not None else default.get(k, 1) for k in given}
+        if s != "hybrid":
+            for k, v in degrees.items():
+                if k not in default and v != 1:
+                    raise ValueError(f"strategy {s!r} does not split along {k} ({k}={v}); "
+                                     f"use strategy 'hybrid' to combine dimensions")
+        if s == "single" and world_size != 1:
+            raise ValueError(f"strategy 'single' runs on exactly one engine, got world size "
+                             f"{world_size}")
+        return ParallelDims(**degrees, world_size=world_size)
+
+    def global_batch(self, world_size: int) -> int:
+        """Samples per optimizer step: micro_batch x grad_accum x dp."""
+        return self.micro_batch * self.grad_accum * self.dims(world_size).dp
+
+    # ---- validation -----------------------------------------------------
+    def validate(self, world_size: int | None = None) -> "TrainConfig":
+        """Raise ValueError naming the first bad setting; returns self."""
+        _choice("model", self.model, MODELS)
+        _choice("strategy", self.strategy, STRATEGIES)
+        _choice("backend", self.backend, BACKENDS)
+        _choice("schedule", self.schedule, SCHEDULES)
+        _choice("precision", self.precision, PRECISIONS)
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("offload", self.offload, OFFLOADS)
+        if self.dataset is not None and self.dataset not in DATASETS[self.model]:
+            raise ValueError(f"dataset={self.dataset!r} does not fit model {self.model!r}; "
+                             f"choose one of {', '.join(DATASETS[self.model])}")
+        for name in ("micro_batch", "grad_accum", "steps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        _positive("lr", self.lr)
+        if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \
+                or self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be an integer >= 0, "
+                             f"got {self.checkpoint_every!r}")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ValueError("checkpoint_every > 0 needs checkpoint_dir")
+        self.gpt.validate()
+        if self.model == "tiny_gpt" and self.gpt.vocab_size < 256:
+            raise ValueError(f"gpt.vocab_size={self.gpt.vocab_size} is too small for byte-level "
+                             f"text; it must be >= 256")
+        self._validate_strategy()
+        self._validate_degrees(world_size)
+        if self.deepspeed_config is not None:
+            self._validate_ds_config()
+        return self
+
+    def _validate_strategy(self) -> None:
+        s, b = self.strategy, self.backend
+        if s not in PIPELINED and self.schedule != DEFAULT_SCHEDULE:
+            raise ValueError(f"schedule={self.schedule!r} applies only to strategies pipeline and "
+                             f"hybrid, not {s!r}")
+        if s in GPT_ONLY and self.model != "tiny_gpt":
+            raise ValueError(f"strategy {s!r} needs model 'tiny_gpt' (it splits transformer "
+                             f"layers), got {self.model!r}")
+        if b == "deepspeed" and s not in DEEPSPEED_STRATEGIES:
+            raise ValueError(f"backend 'deepspeed' supports strategies "
+                             f"{', '.join(DEEPSPEED_STRATEGIES)}, not {s!r}")
+        if self.offload != "none":
+            if b != "deepspeed":
+                raise ValueError(f"offload={self.offload!r} needs backend='deepspeed'")
+            need = ("zero3",) if self.offload == "params" else ("zero1", "zero2", "zero3")
+            if s not in need:
+                raise ValueError(f"offload={self.offload!r} needs strategy {' or '.join(need)}, "
+                                 f"got {s!r}")
+        if self.precision == "fp16" and b != "deepspeed":
+            raise ValueError("precision='fp16' needs backend='deepspeed' (its loss scaler); "
+                             "use 'bf16' or 'fp32' with backend='torch'")
+        if self.fsdp_reshard is not None and not (b == "torch" and s in ("zero2", "zero3")):
+            raise ValueError(f"fsdp_reshard applies only to strategies zero2/zero3 with backend "
+                             f"'torch', not {s!r}/{b!r}")
+        if self.deepspeed_config is not None and b != "deepspeed":
+            raise ValueError("deepspeed_config needs backend='deepspeed'")
+
+    def _validate_degrees(self, world_size: int | None) -> None:
+        for k in ("dp", "tp", "pp"):
+            v = getattr(self, k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{k} must be a positive integer or None, got {v!r}")
+        if self.strategy == "hybrid" and all(getattr(self, k) is None for k in ("dp", "tp", "pp")):
+            raise ValueError("strategy 'hybrid' needs explicit degrees (set dp, tp and/or pp, "
+                             "e.g. dp=2, pp=2)")
+        if self.strategy == "single":
+            for k in ("dp", "tp", "pp"):
+                if getattr(self, k) not in (None, 1):
+                    raise ValueError(f"strategy 'single' requires dp=tp=pp=1, "
+                                     f"got {k}={getattr(self, k)}")
+        if world_size is not None:
+            d = self.dims(world_size)
+            tp, pp = d.tp, d.pp
+        else:
+            tp, pp = self.tp or 1, self.pp or 1
+        if tp > 1 and (self.gpt.n_heads % tp or self.gpt.d_model % tp):
+            raise ValueError(f"tp={tp} must divide gpt.n_heads={self.gpt.n_heads} and "
+                             f"gpt.d_model={self.gpt.d_model}")
+        if pp > self.gpt.n_layers:
+            raise ValueError(f"pp={pp} pipeline stages need at least {pp} layers, "
+                             f"gpt.n_layers={self.gpt.n_layers}")
+
+    def ds_config_dict(self) -> dict | None:
+        """``deepspeed_config`` as a dict (reads the file when it is a path)."""
+        c = self.deepspeed_config
+        if c is None or isinstance(c, dict):
+            return c
+        try:
+            with open(c) as f:
+                return json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"deepspeed_config {c!r} is not a readable JSON file: {e}") from None
+
+    def _validate_ds_config(self) -> None:
+        d = self.ds_config_dict()
+        if not isinstance(d, dict):
+            raise ValueError(f"deepspeed_config must be a dict or a JSON file path, got {d!r}")
+        zero = d.get("zero_optimization") or {}
+        stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+        if self.strategy in PIPELINED and stage in (2, 3):
+            raise ValueError(f"DeepSpeed's PipelineModule supports ZeRO stage 0/1 only, "
+                             f"deepspeed_config asks for stage {stage}")
+        try:
+            from nbpar.ds_config import validate_ds_config
+        except ImportError:
+            return
+        validate_ds_config(d)
+
+    # ---- serialisation --------------------------------------------------
+    def to_dict(self) -> dict:
+        """A JSON-able dict (nested ``gpt`` as a dict)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        """Inverse of `to_dict`; unknown keys raise ValueError."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown TrainConfig field(s) {', '.join(unknown)}")
+        d = dict(d)
+        gpt = d.pop("gpt", None)
+        if isinstance(gpt, dict):
+            gknown = {f.name for f in fields(GPTConfig)}
+            bad = sorted(set(gpt) - gknown)
+            if bad:
+                raise ValueError(f"unknown GPTConfig field(s) {', '.join(bad)}")
+            gpt = GPTConfig(**gpt)
+        return cls(**d, **({"gpt": gpt} if gpt is not None else {}))

@@ -1,0 +1,136 @@
+"""Cheap per-step measurements: process memory and a compute/communication split.
+
+No profiler: memory comes from the OS (RSS, peak RSS) and the device module;
+communication time comes from timestamps taken around collectives, either
+blocking ones (`CommTimer.span`) or asynchronous ones whose Future completes
+later (`CommTimer.watch`, used by the DDP comm hook on every gradient bucket).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import sys
+import threading
+import time
+
+from nbpar import device
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process now."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        import psutil
+
+        return psutil.Process().memory_info().rss
+
+
+def peak_rss_bytes() -> int:
+    """Highest RSS this process reached (getrusage: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def memory_snapshot(pg_backend: str) -> dict[str, int]:
+    """rss_bytes, peak_bytes (device peak on a GPU, else peak RSS) and device stats."""
+    stats = device.memory_stats(pg_backend)
+    return {"rss_bytes": rss_bytes(),
+            "peak_bytes": stats.get("device_peak_bytes", peak_rss_bytes()), **stats}
+
+
+def _union_length(intervals, lo: float, hi: float) -> float:
+    """Total length of the union of [start, end) intervals, clipped to [lo, hi]."""
+    total, cur_end = 0.0, lo
+    for start, end in sorted(intervals):
+        start, end = max(start, cur_end), min(end, hi)
+        if end > start:
+            total += end - start
+            cur_end = end
+    return total
+
+
+class CommTimer:
+    """Wall time during which at least one collective of this rank was in flight.
+
+    What is measured, exactly: each collective contributes the interval from
+    its launch to its completion (for async ones: until its Future's callback
+    runs). ``comm_s`` is the length of the union of those intervals inside the
+    step, so overlapping buckets are not double counted. It includes comm that
+    overlaps with backward compute (DDP's bucketed all-reduce) as well as
+    exposed comm (the loss all-reduce), so ``comm_fraction = comm_s / step_s``
+    is an upper bound on the exposed share; always in [0, 1].
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._intervals: list[tuple[float, float]] = []
+        self._t0 = self._t1 = 0.0
+
+    def start_step(self) -> None:
+        with self._lock:
+            self._intervals = []
+        self._t0 = time.perf_counter()
+
+    def end_step(self) -> float:
+        """Closes the step; returns its wall time in seconds."""
+        self._t1 = time.perf_counter()
+        return self._t1 - self._t0
+
+    def record(self, start: float, end: float) -> None:
+        with self._lock:
+            self._intervals.append((start, end))
+
+    @contextlib.contextmanager
+    def span(self):
+        """Time a blocking collective: ``with timer.span(): dist.all_reduce(t)``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.record(start, time.perf_counter())
+
+    def watch(self, fut):
+        """Time an async collective from now until ``fut`` completes; returns the
+        chained Future (its value is ``fut``'s value)."""
+        start = time.perf_counter()
+
+        def done(f):
+            self.record(start, time.perf_counter())
+            return f.value()
+
+        return fut.then(done)
+
+    def comm_s(self) -> float:
+        with self._lock:
+            intervals = list(self._intervals)
+        return _union_length(intervals, self._t0, self._t1)
+
+    def fraction(self) -> float:
+        step = self._t1 - self._t0
+        return min(1.0, max(0.0, self.comm_s() / step)) if step > 0 else 0.0
+
+
+def timed_allreduce_hook(state, bucket):
+    """DDP comm hook: the default all-reduce (sum / group size) of one gradient
+    bucket, timed on ``state.timer``; ``state.group`` is the dp process group."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    return state.timer.watch(allreduce_hook(state.group, bucket))
+
+
+class HookState:
+    """State of `timed_allreduce_hook`: the dp process group and the step timer."""
+
+    def __init__(self, group, timer: CommTimer):
+        self.group = group
+        self.timer = timer
+
+
+def log(step: int | None = None, **values) -> dict:
+    """`nbpar.log`: record user metrics for this rank (implemented in nbpar.userlog)."""
+    from nbpar.userlog import log as _log
+
+    return _log(step, **values)

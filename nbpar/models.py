@@ -1,0 +1,154 @@
+"""The two teaching models: a one-conv CNN and a tiny pre-norm GPT.
+
+TinyGPT follows GPT-2 (Radford et al., 2019): token + position embeddings,
+pre-norm blocks of causal self-attention and a GELU MLP, final LayerNorm and a
+vocabulary head. Its parts are plain attributes so strategies can cut it:
+a pipeline stage sets ``tok_emb``/``head`` to None and drops layers (GPipe,
+Huang et al. 2019), tensor parallelism shards ``wq``/``wk``/``wv``/``w1``
+column-wise and ``wo``/``w2`` row-wise (Megatron-LM, Shoeybi et al. 2019).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nbpar.config import GPTConfig
+
+
+class SimpleCNN(nn.Module):
+    """conv3x3(3->32) -> ReLU -> global average pool -> linear(32->classes)."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 32, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(32, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.conv(x))            # (b, 3, 32, 32) -> (b, 32, 32, 32)
+        x = torch.flatten(self.pool(x), 1)  # (b, 32)
+        return self.fc(x)                   # (b, classes)
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention; the head count is read off the tensor,
+    so a tensor-parallel shard holding fewer heads runs the same code."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.head_dim = d // cfg.n_heads
+        self.dropout = cfg.dropout
+        self.wq, self.wk, self.wv = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.wo = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # (b, s, d) @ (d, d) -> (b, s, h, hd) -> (b, h, s, hd); h = local heads
+        q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+                   for w in (self.wq, self.wk, self.wv))
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, s, -1))  # (b, s, h*hd) @ (d, d)
+
+
+class FeedForward(nn.Module):
+    """Position-wise MLP: up-projection, GELU, down-projection."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.w1 = nn.Linear(d, cfg.ffn_mult * d)  # up
+        self.w2 = nn.Linear(cfg.ffn_mult * d, d)  # down
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.w2(F.gelu(self.w1(x))))  # (b, s, d) -> (b, s, 4d) -> (b, s, d)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + ffn(norm(x))."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(cfg.d_model)
+        self.attn = Attention(cfg)
+        self.ffn_norm = nn.LayerNorm(cfg.d_model)
+        self.ffn = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class TinyGPT(nn.Module):
+    """Decoder-only transformer over byte tokens; any part may be None (a stage)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.apply(_init_weights)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok_emb is not None:
+            # token ids (b, s) -> hidden (b, s, d)
+            h = self.tok_emb(x)
+            if self.pos_emb is not None:
+                h = h + self.pos_emb(torch.arange(x.shape[1], device=x.device))
+        else:
+            h = x  # hidden states (b, s, d) from the previous pipeline stage
+        for key in sorted(self.layers.keys(), key=int):
+            h = self.layers[key](h)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.head is not None:
+            h = self.head(h)  # (b, s, d) @ (d, vocab) -> logits
+        return h
+
+
+def _init_weights(m: nn.Module) -> None:
+    """GPT-2 initialisation: N(0, 0.02) weights, zero biases."""
+    if isinstance(m, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        if getattr(m, "bias", None) is not None:
+            nn.init.zeros_(m.bias)
+
+
+def build_model(cfg) -> nn.Module:
+    """The model of ``cfg`` with weights fixed by ``cfg.seed`` alone.
+
+    The global RNG is forked, so building a model neither depends on nor
+    changes what the caller's RNG did; every rank gets identical weights.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        if cfg.model == "simple_cnn":
+            return SimpleCNN(num_classes=10)
+        if cfg.model == "tiny_gpt":
+            return TinyGPT(cfg.gpt)
+    raise ValueError(f"model={cfg.model!r} is not supported; choose simple_cnn or tiny_gpt")
+
+
+def classification_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross entropy of (b, classes) logits vs (b,) labels."""
+    return F.cross_entropy(logits.float(), targets)
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross entropy of (b, s, vocab) logits vs (b, s) next tokens, over all b*s."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def loss_fn(model_name: str):
+    """The training loss of a model (module-level functions, so they pickle)."""
+    if model_name == "simple_cnn":
+        return classification_loss
+    if model_name == "tiny_gpt":
+        return next_token_loss
+    raise ValueError(f"model={model_name!r} is not supported; choose simple_cnn or tiny_gpt")

@@ -1,0 +1,164 @@
+"""The step loop that runs on every engine: any strategy, same loop.
+
+`run_training(cfg)` works inside any process that already has a default
+torch.distributed process group (an engine, a `%%dist` cell, a test worker)
+or none at all (strategy single). It builds the topology, the model, the
+strategy's StepRunner and this rank's data shard, runs ``cfg.steps`` optimizer
+steps of ``cfg.grad_accum`` micro-batches each, and reports per-step loss,
+memory and the compute/communication split.
+
+Step loss convention: a runner's ``train_step`` returns this rank's mean loss
+over its micro-batches; with pipelining only the last stage's value must be
+right (other stages may return anything). train.py broadcasts it from the last
+pp stage over the pp group, then averages over the dp group, so every rank
+reports the loss of the whole global batch, equal to the single-process loss.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from nbpar import device
+from nbpar.config import TrainConfig
+from nbpar.data import build_loader
+from nbpar.metrics import CommTimer, memory_snapshot
+from nbpar.models import build_model
+from nbpar.parallel import build_runner
+from nbpar.parallel.mesh import MESH_DIMS
+
+
+class _Batches:
+    """Endless micro-batches of one rank; a new epoch re-shuffles via set_epoch."""
+
+    def __init__(self, loader, dev):
+        self.loader, self.dev, self.epoch = loader, dev, 0
+        self._it = iter(loader)
+
+    def next(self):
+        try:
+            x, y = next(self._it)
+        except StopIteration:
+            self.epoch += 1
+            self.loader.sampler.set_epoch(self.epoch)
+            self._it = iter(self.loader)
+            x, y = next(self._it)
+        return x.to(self.dev), y.to(self.dev)
+
+
+def _global_loss(loss, mesh, dims, dev, timer: CommTimer) -> float:
+    """Loss of the global batch: last pp stage's value, averaged over dp ranks."""
+    t = torch.as_tensor(loss).detach().to(device=dev, dtype=torch.float32).reshape(1).clone()
+    with timer.span():
+        if dims.pp > 1:
+            dist.broadcast(t, group=mesh.get_group("pp"), group_src=dims.pp - 1)
+        if dims.dp > 1:
+            dist.all_reduce(t, group=mesh.get_group("dp"))
+            t /= dims.dp
+        return t.item()
+
+
+def _agree_to_stop(should_stop, dev) -> bool:
+    """All ranks stop together if any rank's ``should_stop()`` says so."""
+    flag = torch.tensor([1.0 if should_stop() else 0.0], device=dev)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def destroy_mesh_groups(mesh) -> None:
+    """Destroy the sub-groups a DeviceMesh created (never the default group)."""
+    if mesh is None:
+        return
+    world = dist.group.WORLD
+    seen = set()
+    for name in MESH_DIMS:
+        g = mesh.get_group(name)
+        if g is None or g is world or id(g) in seen:
+            continue
+        seen.add(id(g))
+        try:
+            dist.destroy_process_group(g)
+        except (ValueError, RuntimeError):
+            pass  # already gone
+
+
+def run_training(cfg: TrainConfig | dict, *, publish=None, should_stop=None,
+                 on_finish=None) -> dict:
+    """Train ``cfg`` on this rank and return its summary (see module docstring).
+
+    ``publish(record)`` is called once per step; ``should_stop()`` is checked
+    before each step (all ranks agree, so nobody is left in a collective);
+    ``on_finish(runner)`` sees the trained runner (model, optimizer) before it
+    is closed, e.g. to keep or save the weights.
+    """
+    if isinstance(cfg, dict):
+        cfg = TrainConfig.from_dict(cfg)
+    on = dist.is_available() and dist.is_initialized()
+    world, rank = (dist.get_world_size(), dist.get_rank()) if on else (1, 0)
+    cfg.validate(world)
+    if not on and cfg.strategy != "single":
+        raise ValueError(f"strategy {cfg.strategy!r} needs a torch.distributed process group "
+                         f"(run it on a Pool's engines); only 'single' runs without one")
+    pg_backend = dist.get_backend() if on else device.default_backend()
+    dev = device.current_device(pg_backend)
+    dims = cfg.dims(world)
+    mesh = dims.build_mesh(device.device_type(pg_backend)) if on else None
+    runner = None
+    try:
+        model = build_model(cfg).to(dev)
+        runner = build_runner(model, cfg, mesh)
+        loader = build_loader(cfg, dims.coords(rank)["dp"], dims.dp, epoch=0)
+        result = _loop(cfg, runner, _Batches(loader, dev), mesh, dims, rank, world, dev,
+                       pg_backend, publish, should_stop)
+        if on_finish is not None:
+            on_finish(runner)
+        return result
+    finally:
+        if runner is not None:
+            runner.close()
+        destroy_mesh_groups(mesh)
+
+
+def _loop(cfg, runner, batches, mesh, dims, rank, world, dev, pg_backend, publish,
+          should_stop) -> dict:
+    timer = getattr(runner, "comm_timer", None) or CommTimer()
+    global_batch = cfg.global_batch(world)
+    tokens = cfg.gpt.seq_len if cfg.model == "tiny_gpt" else None
+    device.reset_peak(pg_backend)
+    history = []
+    for step in range(cfg.steps):
+        if should_stop is not None and _agree_to_stop(should_stop, dev):
+            break
+        micro_batches = [batches.next() for _ in range(cfg.grad_accum)]
+        timer.start_step()
+        loss = runner.train_step(micro_batches)
+        device.synchronize(pg_backend)
+        loss = _global_loss(loss, mesh, dims, dev, timer)
+        step_s = timer.end_step()
+        comm_s = timer.comm_s()
+        record = {"step": step, "rank": rank, "loss": loss, "step_time_s": step_s,
+                  "compute_s": step_s - comm_s, "comm_s": comm_s,
+                  "samples_per_s": global_batch / step_s,
+                  "tokens_per_s": global_batch * tokens / step_s if tokens else None,
+                  **runner.memory(), **memory_snapshot(pg_backend), "time": time.time()}
+        history.append(record)
+        if publish is not None:
+            publish(dict(record))
+    total_step = sum(r["step_time_s"] for r in history)
+    total_comm = sum(r["comm_s"] for r in history)
+    last = history[-1] if history else {**runner.memory(), **memory_snapshot(pg_backend)}
+    bubble = getattr(runner, "bubble_fraction", None)
+    return {
+        "rank": rank,
+        "losses": [r["loss"] for r in history],
+        "param_bytes": last["param_bytes"], "grad_bytes": last["grad_bytes"],
+        "optim_bytes": last["optim_bytes"],
+        "peak_bytes": max([r["peak_bytes"] for r in history], default=last["peak_bytes"]),
+        "step_time_s": statistics.median([r["step_time_s"] for r in history]) if history else 0.0,
+        "comm_fraction": min(1.0, total_comm / total_step) if total_step > 0 else 0.0,
+        "bubble_fraction": bubble() if callable(bubble) else None,
+        "history": history,
+    }

@@ -1,0 +1,126 @@
+"""TrainConfig validation: every bad input fails early with one clear sentence."""
+import json
+
+import pytest
+
+from nbpar.config import GPTConfig, TrainConfig
+from nbpar.data import global_batch_line
+from nbpar.parallel.mesh import ParallelDims
+
+BAD = [
+    (dict(model="resnet"), 2, "model='resnet'.*simple_cnn, tiny_gpt"),
+    (dict(dataset="imagenet"), 2, "dataset='imagenet'"),
+    (dict(model="simple_cnn", dataset="pysource"), 2, "does not fit model 'simple_cnn'"),
+    (dict(strategy="fsdp"), 2, "strategy='fsdp'"),
+    (dict(backend="jax"), 2, "backend='jax'"),
+    (dict(strategy="pipeline", schedule="zb"), 2, "schedule='zb'"),
+    (dict(precision="fp8"), 2, "precision='fp8'"),
+    (dict(optimizer="lamb"), 2, "optimizer='lamb'"),
+    (dict(offload="nvme", backend="deepspeed"), 2, "offload='nvme'"),
+    (dict(micro_batch=0), 2, "micro_batch must be a positive integer, got 0"),
+    (dict(grad_accum=-1), 2, "grad_accum must be a positive integer, got -1"),
+    (dict(steps=0), 2, "steps must be a positive integer"),
+    (dict(lr=0.0), 2, "lr must be a positive number, got 0.0"),
+    (dict(strategy="ddp", schedule="gpipe"), 2, "schedule='gpipe' applies only to strategies"),
+    (dict(strategy="zero3", offload="optimizer"), 2,
+     "offload='optimizer' needs backend='deepspeed'"),
+    (dict(strategy="ddp", backend="deepspeed", offload="params"), 2, "needs strategy zero3"),
+    (dict(strategy="pipeline", backend="deepspeed",
+          deepspeed_config={"zero_optimization": {"stage": 2}}), 2,
+     "DeepSpeed's PipelineModule supports ZeRO stage 0/1 only"),
+    (dict(strategy="ddp", deepspeed_config={}), 2, "deepspeed_config needs backend='deepspeed'"),
+    (dict(strategy="ddp", dp=3), 2, "must equal the number of engines"),
+    (dict(strategy="ddp", tp=2), 2, "does not split along tp"),
+    (dict(strategy="hybrid"), 4, "strategy 'hybrid' needs explicit degrees"),
+    (dict(strategy="hybrid", dp=2, pp=2), 8, "must equal the number of engines"),
+    (dict(strategy="tp", gpt=GPTConfig(n_heads=3, d_model=24)), 2,
+     "tp=2 must divide gpt.n_heads=3"),
+    (dict(strategy="pipeline"), 3, "pp=3 pipeline stages need at least 3 layers"),
+    (dict(strategy="tp", model="simple_cnn"), 2, "needs model 'tiny_gpt'"),
+    (dict(strategy="pipeline", model="simple_cnn"), 2, "needs model 'tiny_gpt'"),
+    (dict(strategy="single", dp=2), 1, "requires dp=tp=pp=1"),
+    (dict(strategy="single"), 2, "runs on exactly one engine"),
+    (dict(precision="fp16"), 2, "precision='fp16' needs backend='deepspeed'"),
+    (dict(strategy="tp", backend="deepspeed"), 2, "backend 'deepspeed' supports strategies"),
+    (dict(strategy="ddp", fsdp_reshard=True), 2, "fsdp_reshard applies only to"),
+    (dict(gpt=GPTConfig(d_model=30, n_heads=4)), 2, "gpt.n_heads=4 must divide gpt.d_model=30"),
+    (dict(gpt=GPTConfig(vocab_size=100)), 2, "vocab_size=100 is too small"),
+    (dict(checkpoint_every=5), 2, "checkpoint_every > 0 needs checkpoint_dir"),
+]
+
+
+@pytest.mark.parametrize("kwargs,world,match", BAD)
+def test_bad_config_raises_clear_value_error(kwargs, world, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**kwargs).validate(world)
+
+
+def test_pipeline_options_checked_without_world_size():
+    with pytest.raises(ValueError, match="schedule='interleaved' applies only"):
+        TrainConfig(strategy="tp", schedule="interleaved").validate()
+    with pytest.raises(ValueError, match="pp=4 pipeline stages"):
+        TrainConfig(strategy="hybrid", pp=4, dp=1).validate()
+
+
+@pytest.mark.parametrize("kwargs,world,expect", [
+    (dict(strategy="ddp"), 4, (1, 4, 1)),
+    (dict(strategy="zero3"), 2, (1, 2, 1)),
+    (dict(strategy="pipeline"), 2, (2, 1, 1)),
+    (dict(strategy="tp"), 4, (1, 1, 4)),
+    (dict(strategy="hybrid", dp=2, pp=2), 4, (2, 2, 1)),
+    (dict(strategy="hybrid", dp=2, tp=2, pp=2), 8, (2, 2, 2)),
+    (dict(strategy="single"), 1, (1, 1, 1)),
+])
+def test_default_degrees(kwargs, world, expect):
+    cfg = TrainConfig(**kwargs).validate(world)
+    dims = cfg.dims(world)
+    assert isinstance(dims, ParallelDims)
+    assert dims.shape == expect
+
+
+def test_valid_deepspeed_and_pipeline_configs_pass(tmp_path):
+    TrainConfig(strategy="pipeline", schedule="gpipe").validate(2)
+    TrainConfig(strategy="zero3", backend="deepspeed", offload="params",
+                precision="fp16").validate(2)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    with pytest.raises(ValueError, match="supports ZeRO stage 0/1 only"):
+        TrainConfig(strategy="pipeline", backend="deepspeed",
+                    deepspeed_config=str(path)).validate(2)
+    with pytest.raises(ValueError, match="not a readable JSON file"):
+        TrainConfig(strategy="ddp", backend="deepspeed",
+                    deepspeed_config=str(tmp_path / "missing.json")).validate(2)
+
+
+def test_deepspeed_config_keys_are_checked_by_ds_config():
+    with pytest.raises(ValueError, match="zero_optimisation"):
+        TrainConfig(strategy="zero2", backend="deepspeed",
+                    deepspeed_config={"zero_optimisation": {"stage": 2}}).validate(2)
+
+
+def test_round_trip_through_dict_and_json():
+    cfg = TrainConfig(model="tiny_gpt", strategy="hybrid", dp=2, pp=2, schedule="gpipe",
+                      micro_batch=4, grad_accum=3, lr=3e-4, seed=7,
+                      gpt=GPTConfig(d_model=16, n_heads=2, n_layers=4))
+    d = json.loads(json.dumps(cfg.to_dict()))
+    assert d["gpt"]["n_layers"] == 4
+    back = TrainConfig.from_dict(d)
+    assert back == cfg
+    assert isinstance(back.gpt, GPTConfig)
+    with pytest.raises(ValueError, match="unknown TrainConfig field.*batch"):
+        TrainConfig.from_dict({"batch": 3})
+
+
+def test_global_batch_arithmetic():
+    cfg = TrainConfig(strategy="ddp", micro_batch=8, grad_accum=32).validate(8)
+    assert cfg.global_batch(8) == 2048
+    assert global_batch_line(8, 32, 8) == "global batch = 8 x 32 x 8 = 2048 (micro x accum x dp)"
+    assert TrainConfig(strategy="pipeline", micro_batch=8, grad_accum=4).global_batch(2) == 32
+    assert TrainConfig(strategy="hybrid", dp=2, pp=2, micro_batch=4).global_batch(4) == 8
+
+
+def test_defaults_resolve():
+    assert TrainConfig(model="simple_cnn").dataset_name() == "cifar10"
+    assert TrainConfig().dataset_name() == "pysource"
+    assert TrainConfig(strategy="zero2").fsdp_reshard_after_forward() is False
+    assert TrainConfig(strategy="zero3").fsdp_reshard_after_forward() is True
