@@ -16,7 +16,7 @@ _LAZY = {
     "estimate_memory": ("nbpar.memory", "estimate_memory"),
     "compare": ("nbpar.compare", "compare"),
     "StrategyPicker": ("nbpar.widgets", "StrategyPicker"),
-    "log": ("nbpar.metrics", "log"),
+    "log": ("nbpar.userlog", "log"),
     "EngineDied": ("nbpar.errors", "EngineDied"),
     "DistTimeout": ("nbpar.errors", "DistTimeout"),
     "RankError": ("nbpar.errors", "RankError"),

@@ -3,8 +3,8 @@
 The engines train in their main thread and publish one record per step
 through ipyparallel's data publication (no round trip that would pause
 training); the client reads them from the AsyncResults as they arrive.
-Stopping goes through the rendezvous TCPStore: the client sets a key, rank
-0 reads it at a step boundary and broadcasts the decision, so every rank
+Stopping goes through the rendezvous TCPStore: the client sets a key, the
+ranks read it at each step boundary and agree (an all-reduce), so every rank
 stops at the same step.
 """
 from __future__ import annotations
@@ -14,12 +14,12 @@ import statistics
 import time
 import uuid
 
-from nbpar.execute import wait_all
+from nbpar.execute import OUTPUT_WAIT_S, wait_all
 
 _stop_stores: dict = {}
 
 
-def train_on_engine(cfg: dict, run_id: str, distributed_stop: bool) -> dict:
+def train_on_engine(cfg: dict, run_id: str) -> dict:
     """Engine side: run_training with publication and a stop flag."""
     from ipyparallel.datapub import publish_data
 
@@ -33,16 +33,8 @@ def train_on_engine(cfg: dict, run_id: str, distributed_stop: bool) -> dict:
     def publish(record: dict) -> None:
         publish_data({f"{run_id}/{next(seq):08d}": record})
 
-    def should_stop() -> bool:
-        flag = bool(store is not None and store.check([key]))
-        if not distributed_stop:
-            return flag
-        import torch
-        import torch.distributed as dist
-
-        t = torch.tensor([int(flag)])
-        dist.broadcast(t, 0)
-        return bool(t.item())
+    def should_stop() -> bool:  # run_training makes all ranks agree on it
+        return bool(store is not None and store.check([key]))
 
     return run_training(cfg, publish=publish, should_stop=should_stop)
 
@@ -55,9 +47,8 @@ class Run:
         self.run_id = uuid.uuid4().hex[:12]
         self.started = time.time()
         self._results = None
-        distributed = len(ranks) > 1
         self._ars = {r: pool.client[pool.engine_id(r)].apply_async(
-            train_on_engine, cfg.to_dict(), self.run_id, distributed) for r in ranks}
+            train_on_engine, cfg.to_dict(), self.run_id) for r in ranks}
         pool._inflight = {**getattr(pool, "_inflight", {}), **self._ars}
 
     # -- live state ----------------------------------------------------------
@@ -93,6 +84,8 @@ class Run:
                 interrupt(self.pool, [r for r, a in self._ars.items() if not a.ready()],
                           self._ars)
             raise
+        for ar in self._ars.values():  # the last records may trail the reply
+            ar.wait_for_output(OUTPUT_WAIT_S)
         return self
 
     def stop(self) -> None:
@@ -121,6 +114,12 @@ class Run:
     def per_rank(self) -> dict:
         self.wait()
         return {r: ar.get() for r, ar in self._ars.items()}
+
+    def _ipython_display_(self):
+        """Show the live dashboard; it keeps updating in a background thread."""
+        from nbpar.dashboard import Dashboard
+
+        self.dashboard = Dashboard(self).show()
 
     def __repr__(self):
         steps = {rec["step"] for rec in self.history}

@@ -60,10 +60,10 @@ def _global_loss(loss, mesh, dims, dev, timer: CommTimer) -> float:
         return t.item()
 
 
-def _agree_to_stop(should_stop, dev) -> bool:
+def _agree_to_stop(should_stop, dev, world: int) -> bool:
     """All ranks stop together if any rank's ``should_stop()`` says so."""
     flag = torch.tensor([1.0 if should_stop() else 0.0], device=dev)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if world > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
@@ -96,13 +96,16 @@ def run_training(cfg: TrainConfig | dict, *, publish=None, should_stop=None,
     """
     if isinstance(cfg, dict):
         cfg = TrainConfig.from_dict(cfg)
-    on = dist.is_available() and dist.is_initialized()
+    # single is the one-process reference: on an engine of a larger pool it
+    # ignores the pool's process group (only rank 0 runs it)
+    on = dist.is_available() and dist.is_initialized() and cfg.strategy != "single"
     world, rank = (dist.get_world_size(), dist.get_rank()) if on else (1, 0)
     cfg.validate(world)
     if not on and cfg.strategy != "single":
         raise ValueError(f"strategy {cfg.strategy!r} needs a torch.distributed process group "
                          f"(run it on a Pool's engines); only 'single' runs without one")
-    pg_backend = dist.get_backend() if on else device.default_backend()
+    pg_backend = dist.get_backend() if dist.is_available() and dist.is_initialized() \
+        else device.default_backend()
     dev = device.current_device(pg_backend)
     dims = cfg.dims(world)
     mesh = dims.build_mesh(device.device_type(pg_backend)) if on else None
@@ -130,7 +133,7 @@ def _loop(cfg, runner, batches, mesh, dims, rank, world, dev, pg_backend, publis
     device.reset_peak(pg_backend)
     history = []
     for step in range(cfg.steps):
-        if should_stop is not None and _agree_to_stop(should_stop, dev):
+        if should_stop is not None and _agree_to_stop(should_stop, dev, world):
             break
         micro_batches = [batches.next() for _ in range(cfg.grad_accum)]
         timer.start_step()

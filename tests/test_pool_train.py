@@ -1,0 +1,76 @@
+"""pool.train(cfg): training on real engines, live history, stop, the CLI's JSON."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import nbpar
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_ddp_on_the_pool_matches_single(pool):
+    ddp = pool.train(nbpar.TrainConfig(model="simple_cnn", strategy="ddp", micro_batch=4,
+                                       steps=20)).result()
+    single = pool.train(nbpar.TrainConfig(model="simple_cnn", strategy="single",
+                                          micro_batch=8, steps=20)).result()
+    assert len(ddp["losses"]) == 20
+    torch.testing.assert_close(torch.tensor(ddp["losses"]), torch.tensor(single["losses"]),
+                               atol=1e-5, rtol=0)
+    assert [r["rank"] for r in ddp["ranks"]] == [0, 1]
+    assert all(r["param_bytes"] > 0 and r["optim_bytes"] == 2 * r["param_bytes"]
+               for r in ddp["ranks"])
+    assert 0 <= ddp["comm_fraction"] <= 1 and ddp["bubble_fraction"] is None
+
+
+def test_history_streams_while_training_and_stop_is_clean(pool):
+    run = pool.train(nbpar.TrainConfig(model="tiny_gpt", strategy="ddp", micro_batch=4,
+                                       steps=10_000))
+    deadline = time.monotonic() + 60
+    while len({rec["step"] for rec in run.history}) < 3:
+        assert time.monotonic() < deadline, "no step records arrived while training"
+        assert not run.done()
+        time.sleep(0.2)
+    run.stop()
+    res = run.result()
+    steps = len(res["losses"])
+    assert 3 <= steps < 10_000
+    hist = run.history
+    assert {rec["rank"] for rec in hist} == {0, 1}
+    assert len(hist) == 2 * steps
+    assert [rec["loss"] for rec in hist if rec["rank"] == 0] == res["losses"]
+    # the pool is usable right after
+    assert pool.run(lambda: 1) == [1, 1]
+
+
+def test_bad_config_is_refused_before_any_engine_works(pool):
+    with pytest.raises(ValueError, match="micro_batch"):
+        pool.train(nbpar.TrainConfig(micro_batch=0))
+    with pytest.raises(ValueError, match="dp\\*tp\\*pp"):
+        pool.train(nbpar.TrainConfig(strategy="hybrid", dp=2, tp=2))
+    assert [r["state"] for r in pool.status()] == ["ready", "ready"]
+
+
+def _cli(*args):
+    out = subprocess.run([sys.executable, "-m", "nbpar", "train", *args, "--json"],
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_cli_train_json_contract():
+    common = ["--model", "tiny_gpt", "--steps", "6", "--seed", "3"]
+    ddp = _cli("--engines", "2", "--strategy", "ddp", "--micro-batch", "4", *common)
+    single = _cli("--engines", "1", "--strategy", "single", "--micro-batch", "8", *common)
+    assert set(ddp) >= {"config", "losses", "ranks", "step_time_s", "comm_fraction",
+                        "bubble_fraction"}
+    assert ddp["config"]["strategy"] == "ddp" and len(ddp["losses"]) == 6
+    for row in ddp["ranks"]:
+        assert set(row) >= {"rank", "param_bytes", "grad_bytes", "optim_bytes", "peak_bytes"}
+    torch.testing.assert_close(torch.tensor(ddp["losses"]), torch.tensor(single["losses"]),
+                               atol=1e-5, rtol=0)
