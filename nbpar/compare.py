@@ -1,0 +1,140 @@
+"""Side-by-side comparison of finished runs: memory per rank, step time, communication, loss.
+
+`compare([run_ddp, run_zero1, run_zero3])` accepts Run objects or the CLI's result dicts
+and shows one table row and one bar per run, e.g. the ZeRO paper's memory staircase
+(Rajbhandari et al. 2020) measured on your own pool.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import io
+
+from nbpar.history import run_label
+from nbpar.panels import bytes_axis, fmt_bytes
+
+REQUIRED = ("config", "losses", "ranks", "step_time_s", "comm_fraction")
+COLUMNS = (("label", "run"), ("peak_bytes", "peak/rank"), ("param_bytes", "params/rank"),
+           ("grad_bytes", "grads/rank"), ("optim_bytes", "optim/rank"),
+           ("step_time_s", "step time"), ("comm_fraction", "comm"),
+           ("final_loss", "final loss"))
+
+
+def _fmt(key: str, value) -> str:
+    if value is None:
+        return "-"
+    if key.endswith("_bytes"):
+        return fmt_bytes(value)
+    if key == "step_time_s":
+        return f"{value * 1e3:.1f} ms"
+    if key == "comm_fraction":
+        return f"{value:.0%}"
+    if key == "final_loss":
+        return f"{value:.4f}"
+    return str(value)
+
+
+def _result(obj) -> dict:
+    if isinstance(obj, dict):
+        res = obj
+    elif callable(getattr(obj, "result", None)):
+        res = obj.result()
+    else:
+        raise TypeError(f"compare takes Run objects or result dicts, got {type(obj).__name__}")
+    missing = [k for k in REQUIRED if k not in res]
+    if missing:
+        raise ValueError(f"result dict lacks {', '.join(missing)}; expected the shape of "
+                         f"`nbpar train --json` ({', '.join(REQUIRED)})")
+    if not res["ranks"]:
+        raise ValueError("result dict has an empty 'ranks' list")
+    return res
+
+
+def summarize(obj, label: str | None = None) -> dict:
+    """One table row: per-rank bytes are the largest over ranks (the rank that limits you)."""
+    res = _result(obj)
+    ranks = res["ranks"]
+    row = {"label": label or run_label(res)}
+    for key in ("peak_bytes", "param_bytes", "grad_bytes", "optim_bytes"):
+        row[key] = max(r[key] for r in ranks)
+    row.update(step_time_s=res["step_time_s"], comm_fraction=res["comm_fraction"],
+               bubble_fraction=res.get("bubble_fraction"),
+               final_loss=res["losses"][-1] if res["losses"] else None)
+    return row
+
+
+class Comparison:
+    """``.table`` (rows), ``.figure`` (bars), HTML table + figure in a notebook."""
+
+    def __init__(self, rows: list[dict]):
+        self.table = rows
+        self._figure = None
+
+    @property
+    def figure(self):
+        if self._figure is None:
+            self._figure = _figure(self.table)
+        return self._figure
+
+    def __repr__(self) -> str:
+        cells = [[title for _, title in COLUMNS]]
+        cells += [[_fmt(key, row[key]) for key, _ in COLUMNS] for row in self.table]
+        widths = [max(len(r[i]) for r in cells) for i in range(len(COLUMNS))]
+        return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                                   for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+                         for r in cells)
+
+    def html_table(self) -> str:
+        head = "".join(f"<th>{html.escape(t)}</th>" for _, t in COLUMNS)
+        body = "".join("<tr>" + "".join(
+            f"<td style='text-align:{'left' if k == 'label' else 'right'}'>"
+            f"{html.escape(_fmt(k, row[k]))}</td>" for k, _ in COLUMNS) + "</tr>"
+            for row in self.table)
+        return f"<table><tr>{head}</tr>{body}</table>"
+
+    def png(self) -> bytes:
+        buf = io.BytesIO()
+        self.figure.savefig(buf, format="png")
+        return buf.getvalue()
+
+    def _repr_html_(self) -> str:
+        img = base64.b64encode(self.png()).decode("ascii")
+        return (f"<div style='display:flex;gap:1em;align-items:flex-start;flex-wrap:wrap'>"
+                f"<div>{self.html_table()}</div>"
+                f"<img src='data:image/png;base64,{img}' style='max-width:640px'/></div>")
+
+
+def _figure(rows: list[dict]):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 3), layout="constrained")
+    axes = fig.subplots(1, 4)
+    labels = [r["label"] for r in rows]
+    x = list(range(len(rows)))
+    panels = (("peak_bytes", "peak memory per rank", "tab:blue"),
+              ("step_time_s", "step time (s)", "tab:gray"),
+              ("comm_fraction", "communication share", "tab:red"),
+              ("final_loss", "final loss", "tab:purple"))
+    for ax, (key, title, color) in zip(axes, panels):
+        ax.bar(x, [r[key] if r[key] is not None else 0.0 for r in rows], color=color)
+        ax.set_xticks(x, labels, rotation=30, ha="right", fontsize="small")
+        ax.set_title(title, fontsize="medium")
+    bytes_axis(axes[0])
+    axes[2].axhline(0.2, ls="--", color="k", lw=1)
+    return fig
+
+
+def compare(runs, labels=None) -> Comparison:
+    """Compare Runs or result dicts; ``labels`` default to "strategy/backend" (made unique)."""
+    runs = list(runs) if isinstance(runs, (list, tuple)) else [runs]
+    if not runs:
+        raise ValueError("compare needs at least one run or result dict")
+    if labels is not None and len(labels) != len(runs):
+        raise ValueError(f"labels has {len(labels)} entries for {len(runs)} runs")
+    rows = [summarize(r, None if labels is None else labels[i]) for i, r in enumerate(runs)]
+    seen: dict[str, int] = {}
+    for row in rows:
+        n = seen[row["label"]] = seen.get(row["label"], 0) + 1
+        if n > 1:
+            row["label"] = f"{row['label']} ({n})"
+    return Comparison(rows)

@@ -1,0 +1,92 @@
+"""Per-step training records, grouped the way every figure reads them.
+
+A run publishes one record per (step, rank): loss, step/compute/comm seconds,
+throughput and memory bytes (see `nbpar.train`). The dashboard, the static
+plots, the comparison table and the exporters all start from these helpers,
+so they agree on what "the latest step" or "the loss of a run" means.
+"""
+from __future__ import annotations
+
+import statistics
+
+MEMORY_PARTS = ("param_bytes", "grad_bytes", "optim_bytes")
+#: Communication above this share of the step time is worth a look (Megatron-LM
+#: and ZeRO report healthy data/tensor parallel runs well below it).
+COMM_HEALTH = 0.2
+SPLIT_WINDOW = 10
+
+
+def as_history(obj) -> list[dict]:
+    """The list of step records of a Run (``.history``) or of a list of records."""
+    if hasattr(obj, "history") and not isinstance(obj, dict):
+        history = obj.history
+    elif isinstance(obj, dict) and isinstance(obj.get("history"), list):
+        history = obj["history"]
+    else:
+        history = obj
+    if not isinstance(history, (list, tuple)) or not all(isinstance(r, dict) for r in history):
+        raise TypeError(f"expected a Run or a list of step records (dicts), got "
+                        f"{type(obj).__name__}")
+    for rec in history:
+        if "step" not in rec or "rank" not in rec:
+            raise ValueError(f"step record {rec!r} lacks 'step' or 'rank'")
+    return list(history)
+
+
+def by_rank(history: list[dict]) -> dict[int, list[dict]]:
+    """rank -> its records in step order (ranks ascending)."""
+    out: dict[int, list[dict]] = {}
+    for rec in sorted(history, key=lambda r: (r["rank"], r["step"])):
+        out.setdefault(rec["rank"], []).append(rec)
+    return dict(sorted(out.items()))
+
+
+def other_bytes(rec: dict) -> float:
+    """Process memory that is none of params/grads/optimizer (activations, buffers, runtime)."""
+    rss = rec.get("rss_bytes") or 0
+    return max(0.0, rss - sum(rec.get(k) or 0 for k in MEMORY_PARTS))
+
+
+def memory_parts(rec: dict) -> dict[str, float]:
+    """{"params", "grads", "optimizer", "other"} bytes of one record."""
+    return {"params": rec.get("param_bytes") or 0, "grads": rec.get("grad_bytes") or 0,
+            "optimizer": rec.get("optim_bytes") or 0, "other": other_bytes(rec)}
+
+
+def step_split(records: list[dict], window: int = SPLIT_WINDOW) -> tuple[float, float]:
+    """(compute_s, comm_s) mean over the last ``window`` records of one rank."""
+    recent = records[-window:]
+    if not recent:
+        return 0.0, 0.0
+    return (statistics.fmean(r.get("compute_s") or 0.0 for r in recent),
+            statistics.fmean(r.get("comm_s") or 0.0 for r in recent))
+
+
+def steps_done(history: list[dict]) -> int:
+    """Steps every rank has finished (the slowest rank's count)."""
+    ranks = by_rank(history)
+    return min((len(v) for v in ranks.values()), default=0)
+
+
+def throughput(history: list[dict]) -> tuple[list[int], list[float], str]:
+    """(steps, values, unit): per step the slowest rank's rate, tokens/s when known."""
+    unit = "tokens/s" if any(r.get("tokens_per_s") is not None for r in history) else "samples/s"
+    key = "tokens_per_s" if unit == "tokens/s" else "samples_per_s"
+    per_step: dict[int, float] = {}
+    for rec in history:
+        value = rec.get(key)
+        if value is not None:
+            per_step[rec["step"]] = min(per_step.get(rec["step"], value), value)
+    steps = sorted(per_step)
+    return steps, [per_step[s] for s in steps], unit
+
+
+def run_label(obj) -> str:
+    """"strategy/backend" of a Run, a result dict or a TrainConfig-like object."""
+    cfg = getattr(obj, "cfg", None)
+    if cfg is None and isinstance(obj, dict):
+        cfg = obj.get("config")
+    if cfg is None:
+        return "run"
+    get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
+    return f"{get('strategy', '?')}/{get('backend', '?')}"

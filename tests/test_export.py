@@ -1,0 +1,87 @@
+"""TensorBoard event files and the Prometheus endpoint carry the run's numbers."""
+from __future__ import annotations
+
+import os
+import urllib.error
+import urllib.request
+
+import pytest
+
+from nbpar.export import PrometheusExporter, to_tensorboard
+from tests.viz_fakes import MB, FakeRun, history
+
+
+def test_tensorboard_event_files_per_rank(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = FakeRun(history=history(4, tokens=False))
+    dirs = to_tensorboard(run, tmp_path)
+    assert dirs == [str(tmp_path / "rank0"), str(tmp_path / "rank1")]
+    for rank, path in enumerate(dirs):
+        assert any(f.startswith("events.out.tfevents") for f in os.listdir(path))
+        acc = EventAccumulator(path)
+        acc.Reload()
+        tags = acc.Tags()["scalars"]
+        assert "throughput/tokens_per_s" not in tags  # None values are not written
+        mine = [r for r in run.history if r["rank"] == rank]
+        for tag, key in (("loss", "loss"), ("memory/param_bytes", "param_bytes"),
+                         ("time/step_s", "step_time_s"), ("time/comm_s", "comm_s")):
+            events = acc.Scalars(tag)
+            assert [e.step for e in events] == [0, 1, 2, 3]
+            assert [e.value for e in events] == pytest.approx([r[key] for r in mine])
+        assert [e.wall_time for e in acc.Scalars("loss")] == pytest.approx(
+            [r["time"] for r in mine])
+
+
+def _scrape(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        text = resp.read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith("nbpar_")}
+
+
+def test_prometheus_serves_gauges_on_loopback_and_closes():
+    run = FakeRun(history=history(3))
+    exporter = PrometheusExporter()
+    try:
+        assert exporter.url.startswith("http://127.0.0.1:") and exporter.port > 0
+        exporter.update(run)
+        metrics = _scrape(exporter.url)
+        last = {r["rank"]: r for r in run.history if r["step"] == 2}
+        assert metrics['nbpar_loss{rank="0"}'] == pytest.approx(last[0]["loss"])
+        assert metrics['nbpar_step{rank="1"}'] == 2
+        assert metrics['nbpar_memory_bytes{kind="params",rank="1"}'] == 5 * MB
+        assert metrics['nbpar_memory_bytes{kind="other",rank="0"}'] == \
+            last[0]["rss_bytes"] - 16 * MB
+        assert metrics['nbpar_comm_fraction{rank="1"}'] == pytest.approx(
+            last[1]["comm_s"] / last[1]["step_time_s"])
+        run.history = history(5)
+        exporter.update(run)
+        assert _scrape(exporter.url)['nbpar_step{rank="0"}'] == 4
+    finally:
+        exporter.close()
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(exporter.url, timeout=2)
+
+
+def test_prometheus_rejects_bad_ports():
+    with pytest.raises(ValueError, match="port"):
+        PrometheusExporter(port=70000)
+    with PrometheusExporter() as first:
+        with pytest.raises(ValueError, match="cannot serve"):
+            PrometheusExporter(port=first.port)
+
+
+def test_grafana_sample_queries_only_exported_metrics():
+    import json
+    import pathlib
+    import re
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "docs" / "grafana_dashboard.json"
+    board = json.loads(path.read_text())
+    exprs = [t["expr"] for p in board["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"nbpar_[a-z_]+", e)}
+    with PrometheusExporter() as exporter:
+        exporter.update(history(1))
+        served = {name.split("{")[0] for name in _scrape(exporter.url)}
+    assert used and used <= served, used - served
