@@ -70,7 +70,8 @@ def _failure(ar):
     return None
 
 
-def wait_all(pool, ars: dict, timeout: float | None, *, interruptible: bool = True) -> None:
+def wait_all(pool, ars: dict, timeout: float | None, *, interruptible: bool = True,
+             on_poll=None) -> None:
     """Wait for ``ars`` (rank -> AsyncResult); raise one clear error if it fails."""
     start = time.monotonic()
     first_failure = None
@@ -94,6 +95,8 @@ def wait_all(pool, ars: dict, timeout: float | None, *, interruptible: bool = Tr
                     + "; a rank waiting in a collective stays blocked until the process-"
                     "group timeout: run `%dist restart` (or pool.restart()) to continue now",
                     pending)
+            if on_poll is not None:
+                on_poll()
             ars[pending[0]].wait(0.1)
     except KeyboardInterrupt:
         if interruptible:
@@ -151,12 +154,17 @@ def run_cell(pool, code: str, ranks, timeout: float | None) -> DistResult:
     ars = {r: pool.client[pool.engine_id(r)].execute(code, block=False, silent=False)
            for r in ranks}
     pool._inflight = {**inflight, **ars}
+    from nbpar.userlog import LogPlot
+
+    plot = LogPlot(ars, show=True)  # draws nbpar.log(...) records live, if any
     try:
-        wait_all(pool, ars, timeout)
+        wait_all(pool, ars, timeout, on_poll=plot.poll)
     except RankError:
         done = [r for r in ranks if ars[r].ready() and ars[r].wait_for_output(OUTPUT_WAIT_S)]
+        plot.finish()
         DistResult(done, [ars[r].metadata for r in done]).render()
         raise
     for r in ranks:  # the reply can arrive before the last output message
         ars[r].wait_for_output(OUTPUT_WAIT_S)
+    plot.finish()
     return DistResult(ranks, [ars[r].metadata for r in ranks])

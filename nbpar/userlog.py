@@ -34,10 +34,10 @@ def _on_engine() -> bool:
     """True inside an ipyparallel engine (its kernel installs a data publisher)."""
     if "ipykernel" not in sys.modules:
         return False
-    from ipykernel.zmqshell import ZMQInteractiveShell
+    from IPython import get_ipython
 
-    return ZMQInteractiveShell.initialized() and \
-        "_data_pub" in vars(ZMQInteractiveShell.instance())
+    shell = get_ipython()  # a plain IPython shell (not a kernel) has no data publisher
+    return shell is not None and "_data_pub" in vars(shell)
 
 
 def _number(key: str, value):
