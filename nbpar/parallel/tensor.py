@@ -1,0 +1,183 @@
+"""Megatron-LM tensor parallelism (Shoeybi et al., 2019) for TinyGPT, via DTensor.
+
+Each Block's attention and feed-forward are split across the ranks of the
+"tp" mesh dimension: the first linear(s) column-wise (Megatron's ``f``: copy the
+input in, all-reduce its gradient out), the second row-wise (Megatron's ``g``:
+all-reduce the output in forward). Attention is split by heads. Embeddings,
+norms and the head stay replicated; their gradients are identical on every tp
+rank because everything upstream of them is replicated.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                               parallelize_module)
+
+from .runner import StepRunner, local_tensor
+
+STRATEGIES = ("tp", "ddp", "zero1", "zero2", "zero3")  # tp x (none, or this dp flavour)
+PRECISIONS = ("fp32", "bf16")
+
+
+def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleDict):
+        raise TypeError(
+            f"tensor parallelism needs a TinyGPT-like model with a ModuleDict "
+            f"'layers' of Blocks; got {type(model).__name__}")
+    return list(layers.items())
+
+
+def check_tp(model: nn.Module, tp: int) -> None:
+    """Raise ValueError unless ``tp`` divides every split width of ``model``."""
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor-parallel degree must be a positive integer, got {tp!r}")
+    for name, block in _blocks(model):
+        attn, ffn = block.attn, block.ffn
+        d_model = attn.wq.out_features
+        n_heads = d_model // attn.head_dim
+        if n_heads % tp:
+            raise ValueError(
+                f"tensor-parallel degree {tp} must divide the number of attention "
+                f"heads ({n_heads}) of layer {name}; use a tp that divides {n_heads}")
+        if d_model % tp:
+            raise ValueError(f"tensor-parallel degree {tp} must divide d_model "
+                             f"({d_model}) of layer {name}")
+        if ffn.w1.out_features % tp:
+            raise ValueError(f"tensor-parallel degree {tp} must divide the "
+                             f"feed-forward width ({ffn.w1.out_features}) of layer {name}")
+
+
+def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
+    """Split every Block of ``model`` across the 1-D ``tp_mesh`` in place; return it.
+
+    Shapes per rank (b batch, s sequence, d model width, f ffn width, tp ranks):
+      wq, wk, wv  Colwise: (b, s, d) @ (d, d/tp) -> (b, s, d/tp) = n_heads/tp local heads
+      wo          Rowwise: (b, s, d/tp) @ (d/tp, d) -> partial (b, s, d), all-reduced
+      w1          Colwise: (b, s, d) @ (d, f/tp) -> (b, s, f/tp)
+      w2          Rowwise: (b, s, f/tp) @ (f/tp, d) -> partial (b, s, d), all-reduced
+    Outputs are plain local tensors (use_local_output), so Attention's
+    ``view(b, s, -1, head_dim)`` sees its local heads and the module code is unchanged.
+    """
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"apply_tp needs a 1-D tp mesh, got {tp_mesh.ndim} dims; "
+                         f"pass mesh['tp']")
+    check_tp(model, tp_mesh.size())
+    for _, block in _blocks(model):
+        parallelize_module(block, tp_mesh, block_plan())
+    return model
+
+
+def block_plan() -> dict:
+    """The Megatron split of one Block, keyed by submodule path."""
+    return {
+        "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(),
+        "attn.wv": ColwiseParallel(), "attn.wo": RowwiseParallel(),
+        "ffn.w1": ColwiseParallel(), "ffn.w2": RowwiseParallel(),
+    }
+
+
+def apply_fsdp_on_dp(model: nn.Module, dp_mesh, reshard_after_forward: bool) -> nn.Module:
+    """FSDP2 (ZeRO-3, or ZeRO-2 without resharding) over ``dp_mesh`` on a TP model.
+
+    Tensor-parallel DTensor parameters become 2-D (dp-sharded, tp-split), the
+    torchtitan recipe; one FSDP group per Block, then the rest at the root.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    for _, block in _blocks(model):
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+class TensorParallelRunner(StepRunner):
+    """A TP (optionally x data-parallel) step: grads synced over dp once per step.
+
+    ``dp_group`` set: plain data parallel, the local gradients of all tp-split and
+    replicated parameters are averaged with one all-reduce over the dp group
+    after the last micro-batch (DDP's math without its buckets). ``fsdp`` set:
+    FSDP2 reduce-scatters itself; only the last micro-batch syncs.
+    """
+
+    def __init__(self, *args, dp_group=None, fsdp: bool = False, **kwargs):
+        from nbpar.metrics import CommTimer
+
+        super().__init__(*args, **kwargs)
+        self.dp_group = dp_group
+        self.fsdp = fsdp
+        self.comm_timer = CommTimer()  # times the dp all-reduce (tp's are inside DTensor)
+
+    def train_step(self, micro_batches) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        scale = 1.0 / len(micro_batches)
+        losses = []
+        for i, (x, y) in enumerate(micro_batches):
+            if self.fsdp:
+                self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            losses.append(self.forward_backward(x, y, scale))
+        if self.dp_group is not None:
+            self.all_reduce_grads()
+        self.optimizer.step()
+        return torch.stack(losses).mean()
+
+    def all_reduce_grads(self) -> None:
+        """Average this rank's local gradient shards over the dp group."""
+        grads = [local_tensor(p.grad) for p in self.model.parameters()
+                 if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])  # one collective
+        with self.comm_timer.span():
+            dist.all_reduce(flat, group=self.dp_group)
+        flat /= dist.get_world_size(self.dp_group)
+        for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(chunk.view_as(g))
+
+    def close(self) -> None:
+        self.model = None
+        super().close()
+
+
+def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> StepRunner:
+    """Tensor parallel on ``mesh["tp"]``, data parallel on ``mesh["dp"]`` if dp > 1.
+
+    dp flavour: zero1/zero2 -> FSDP2 keeping params after forward (ZeRO-2: grads
+    and optimizer state sharded), zero3 -> FSDP2 resharding (ZeRO-3); an explicit
+    ``cfg.fsdp_reshard`` picks FSDP2 for any strategy; tp/ddp -> replicated over
+    dp with one gradient all-reduce per step (torch DDP rejects DTensor params:
+    "got mixed torch.Tensor and DTensor"). ``loss_fn`` defaults to the model's.
+    """
+    from nbpar.parallel import autocast_dtype, make_optimizer, model_device_type
+
+    if cfg.strategy not in STRATEGIES:
+        raise ValueError(f"tensor-parallel runner handles strategies {STRATEGIES}, "
+                         f"got {cfg.strategy!r}")
+    if cfg.precision not in PRECISIONS:
+        raise ValueError(f"precision={cfg.precision!r} with tensor parallelism is not "
+                         f"supported; use fp32 or bf16")
+    if mesh["pp"].size() != 1:
+        raise ValueError(f"the tensor-parallel runner needs pp = 1, got pp = "
+                         f"{mesh['pp'].size()}; pipeline x tensor is strategy 'hybrid'")
+    if loss_fn is None:
+        from nbpar.models import loss_fn as model_loss
+
+        loss_fn = model_loss(cfg.model)
+    device_type = model_device_type(model)
+    apply_tp(model, mesh["tp"])
+    dp_mesh = mesh["dp"]
+    dp_group, fsdp = None, False
+    if dp_mesh.size() > 1:
+        reshard = getattr(cfg, "fsdp_reshard", None)
+        if reshard is None and cfg.strategy.startswith("zero"):
+            reshard = cfg.strategy == "zero3"
+        if reshard is None:
+            dp_group = dp_mesh.get_group()
+        else:
+            apply_fsdp_on_dp(model, dp_mesh, reshard)
+            fsdp = True
+    return TensorParallelRunner(model, make_optimizer(model.parameters(), cfg), loss_fn,
+                                autocast_dtype=autocast_dtype(cfg), device_type=device_type,
+                                dp_group=dp_group, fsdp=fsdp)
