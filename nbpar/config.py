@@ -133,7 +133,13 @@ class TrainConfig:
         if s == "single":
             default = {}
         elif s in DATA_PARALLEL:
-            default = {"dp": world_size}
+            # ZeRO/FSDP on dp combined with tensor parallel: zero3 with tp=2 on 8
+            # engines is dp=4 x tp=2 (torchtitan's FSDP + TP)
+            tp = given["tp"] if s.startswith("zero") and self.backend == "torch" else None
+            if tp is not None and (not isinstance(tp, int) or tp < 1 or world_size % tp):
+                raise ValueError(f"tp={tp!r} must be a positive divisor of the number of "
+                                 f"engines ({world_size})")
+            default = {"dp": world_size // (tp or 1), **({"tp": tp} if tp else {})}
         elif s == "pipeline":
             default = {"pp": world_size}
         elif s == "tp":

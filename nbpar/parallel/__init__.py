@@ -74,5 +74,7 @@ def build_runner(model, cfg, mesh):
     name = strategy_module(cfg.strategy, cfg.backend)
     if name is None:
         return build_single_runner(model, cfg, mesh)
+    if name == "zero" and mesh is not None and mesh["tp"].size() > 1:
+        name = "tensor"  # ZeRO/FSDP on dp over tensor-parallel shards
     module = importlib.import_module(f"{__name__}.{name}")
     return module.build_runner(model, cfg, mesh)

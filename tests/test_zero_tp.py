@@ -1,0 +1,35 @@
+"""ZeRO/FSDP on the dp dimension combined with tensor parallel, through TrainConfig."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nbpar.config import TrainConfig
+from nbpar.train import run_training
+from tests.distributed import run_distributed
+
+STEPS = 6
+
+
+def _train(rank, world, strategy):
+    cfg = TrainConfig(model="tiny_gpt", strategy=strategy, tp=2, micro_batch=4, steps=STEPS)
+    out = run_training(cfg)
+    return out["losses"], out["param_bytes"]
+
+
+@pytest.mark.timeout(300)
+def test_zero3_with_tp_matches_single_and_shards_params():
+    ref = run_training(TrainConfig(model="tiny_gpt", strategy="single", micro_batch=8,
+                                   steps=STEPS))
+    results = run_distributed(_train, 4, "zero3")
+    for losses, param_bytes in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["losses"]),
+                                   atol=1e-5, rtol=0)
+        # dp=2 x tp=2: each rank keeps about a quarter of the sharded weights
+        assert param_bytes < ref["param_bytes"] / 2
+
+
+def test_tp_on_zero_needs_a_divisor_of_the_engines():
+    with pytest.raises(ValueError, match="tp=3 must be a positive divisor"):
+        TrainConfig(strategy="zero3", tp=3).validate(4)
+    assert TrainConfig(strategy="zero3", tp=2).dims(8).dp == 4
