@@ -1,0 +1,221 @@
+"""DeepSpeed config (ds_config.json) checking and building, on the client.
+
+`validate_ds_config` catches typos and bad JSON before any engine starts;
+`ds_config_for` turns a TrainConfig into the config DeepSpeed gets, using a
+user's ``deepspeed_config`` as written. Rule for fields both set: the
+TrainConfig drives the data loader and the step loop, so a ds_config value
+that disagrees with it (batch sizes, ZeRO stage, precision, offload, lr) is a
+ValueError naming both, never silently overridden. Imports neither torch nor
+deepspeed, so the client can check a config cheaply.
+"""
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+
+# Top-level keys of DeepSpeed's documented config (deepspeed.ai/docs/config-json,
+# runtime/config.py of deepspeed 0.19).
+TOP_LEVEL_KEYS = (
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+    "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "amp", "torch_autocast",
+    "data_types", "communication_data_type", "seq_parallel_communication_data_type",
+    "gradient_clipping", "prescale_gradients", "gradient_predivide_factor",
+    "gradient_allreduce_op", "sparse_gradients", "zero_optimization",
+    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "steps_per_print",
+    "wall_clock_breakdown", "dump_state", "memory_breakdown", "log_level",
+    "disable_allgather", "dataloader_drop_last", "disable_python_gc",
+    "managed_gradient_accumulation", "activation_checkpointing", "flops_profiler",
+    "comms_logger", "tensorboard", "wandb", "csv_monitor", "comet", "aim", "monitor_config",
+    "sparse_attention", "pipeline", "data_efficiency", "curriculum_learning",
+    "elasticity", "autotuning", "compression_training", "checkpoint", "aio", "nebula",
+    "hybrid_engine", "quantize_training", "eigenvalue", "progressive_layer_drop",
+    "weight_quantization", "expert_parallel", "use_data_before_expert_parallelism",
+    "vocabulary_size", "compile", "tensor_parallel", "sequence_parallel_size",
+    "timers", "graph_harvesting", "zero_quantized_weights",
+)
+
+# Keys of "zero_optimization" (DeepSpeedZeroConfig fields and their aliases).
+ZERO_KEYS = (
+    "stage", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size",
+    "use_multi_rank_bucket_allreduce", "allgather_partitions", "allgather_bucket_size",
+    "overlap_comm", "compute_grad_norm", "load_from_fp32_weights", "elastic_checkpoint",
+    "offload_param", "offload_optimizer", "zenflow", "sub_group_size", "cpu_offload",
+    "cpu_offload_param", "cpu_offload_use_pin_memory", "prefetch_bucket_size",
+    "stage3_prefetch_bucket_size", "param_persistence_threshold",
+    "stage3_param_persistence_threshold", "model_persistence_threshold",
+    "stage3_model_persistence_threshold", "max_live_parameters",
+    "stage3_max_live_parameters", "max_reuse_distance", "stage3_max_reuse_distance",
+    "gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save", "module_granularity_threshold",
+    "stage3_module_granularity_threshold", "use_all_reduce_for_fetch_params",
+    "stage3_use_all_reduce_for_fetch_params", "allgather_sequential",
+    "stage3_allgather_sequential", "ignore_unused_parameters", "legacy_stage1",
+    "round_robin_gradients", "parameter_alignment", "zero_hpz_partition_size",
+    "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+    "zero_quantized_gradients", "memory_efficient_linear", "pipeline_loading_checkpoint",
+    "override_module_apply", "log_trace_cache_warnings", "enable_sanity_checks",
+    "save_muon_momentum_buffer_in_memory", "leaf_module", "mics_shard_size",
+    "mics_hierarchical_params_gather",
+)
+
+OFFLOAD_DEVICES = ("cpu", "nvme", "none")
+STAGE_OF = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
+# DeepSpeed optimizer types nbpar runs as a client torch optimizer (no compiled ops).
+TORCH_OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}
+
+
+def _check_keys(d: dict, known, where: str) -> None:
+    for key in d:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ValueError(f"unknown DeepSpeed config key '{key}'{where}{hint}")
+
+
+def load_ds_config(d: dict | str) -> dict:
+    """``d`` itself (deep-copied) or the JSON object in the file at path ``d``."""
+    if isinstance(d, dict):
+        return copy.deepcopy(d)
+    if not isinstance(d, str):
+        raise TypeError(f"deepspeed_config must be a dict or a path to a JSON file, "
+                        f"got {type(d).__name__}")
+    try:
+        with open(d) as f:
+            text = f.read()
+    except OSError as e:
+        raise ValueError(f"cannot read DeepSpeed config file {d!r}: {e.strerror}") from None
+    try:
+        out = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"DeepSpeed config file {d!r} is not valid JSON: line {e.lineno} "
+                         f"column {e.colno}: {e.msg}") from None
+    if not isinstance(out, dict):
+        raise ValueError(f"DeepSpeed config file {d!r} must hold a JSON object, "
+                         f"got {type(out).__name__}")
+    return out
+
+
+def validate_ds_config(d: dict | str) -> dict:
+    """The config as a dict after checking its key names and basic values.
+
+    Rejects unknown top-level and ``zero_optimization`` keys with a
+    did-you-mean hint, a stage outside 0-3 and an unknown offload device.
+    """
+    d = load_ds_config(d)
+    _check_keys(d, TOP_LEVEL_KEYS, "")
+    zero = d.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise ValueError(f"zero_optimization must be a JSON object, got {zero!r}")
+    _check_keys(zero, ZERO_KEYS, " in zero_optimization")
+    if zero.get("stage", 0) not in (0, 1, 2, 3):
+        raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {zero['stage']!r}")
+    for what in ("offload_optimizer", "offload_param"):
+        sec = zero.get(what)
+        if sec is None:
+            continue
+        dev = sec.get("device", "none") if isinstance(sec, dict) else sec
+        if dev not in OFFLOAD_DEVICES:
+            raise ValueError(f"zero_optimization.{what}.device must be one of "
+                             f"{', '.join(OFFLOAD_DEVICES)}, got {dev!r}")
+    return d
+
+
+def offload_device(zero: dict, what: str) -> str:
+    """Device of ``zero[what]`` ("none" when absent)."""
+    sec = zero.get(what)
+    return (sec or {}).get("device", "none") if isinstance(sec, dict) else "none"
+
+
+def _agree(d: dict, key: str, want, label: str) -> None:
+    """Set ``d[key] = want`` unless it is already set to something else."""
+    if key in d and d[key] != want:
+        raise ValueError(f"deepspeed_config sets {label}={d[key]!r} but the TrainConfig asks "
+                         f"for {want!r}; make them agree")
+    d[key] = want
+
+
+def _precision(d: dict, precision: str) -> None:
+    if d.get("amp", {}).get("enabled"):
+        raise ValueError("deepspeed_config enables 'amp' (NVIDIA Apex), which nbpar does not "
+                         "support; use precision='fp16' or 'bf16' instead")
+    on = {name for name in ("fp16", "bf16", "bfloat16") if d.get(name, {}).get("enabled")}
+    on = {"bf16" if n == "bfloat16" else n for n in on}
+    asked = set() if precision == "fp32" else {precision}
+    if on and on != asked:
+        raise ValueError(f"deepspeed_config enables {'+'.join(sorted(on))} but the "
+                         f"TrainConfig asks for precision={precision!r}; make them agree")
+    if asked and not on:
+        d[precision] = {**d.get(precision, {}), "enabled": True}
+
+
+def _offload(zero: dict, offload: str, stage: int) -> None:
+    """Map TrainConfig.offload ("none" | "optimizer" | "params") onto zero_optimization.
+
+    "params" offloads parameters *and* optimizer state (ZeRO-Infinity's CPU mode).
+    """
+    want_opt = "cpu" if offload in ("optimizer", "params") else "none"
+    want_par = "cpu" if offload == "params" else "none"
+    for what, want in (("offload_optimizer", want_opt), ("offload_param", want_par)):
+        have = offload_device(zero, what)
+        if have == "nvme":
+            raise ValueError("NVMe offload needs DeepSpeed's compiled async_io op, which "
+                             "nbpar never builds; use device 'cpu'")
+        if what in zero and have != want:
+            raise ValueError(f"deepspeed_config sets zero_optimization.{what}.device="
+                             f"{have!r} but the TrainConfig asks for offload={offload!r}")
+        if want != "none":
+            zero.setdefault(what, {"device": want})
+    if want_opt != "none" and stage < 1:
+        raise ValueError("optimizer offload needs ZeRO stage 1, 2 or 3 "
+                         "(strategy zero1/zero2/zero3), not stage 0")
+    if want_par != "none" and stage != 3:
+        raise ValueError(f"parameter offload needs ZeRO stage 3 (strategy zero3), "
+                         f"got stage {stage}")
+
+
+def _optimizer(d: dict, cfg) -> None:
+    """Make the "optimizer" section one nbpar runs as a client torch optimizer."""
+    name = getattr(cfg, "optimizer", "adam")
+    sec = d.setdefault("optimizer", {"type": TORCH_OPTIMIZERS[name], "params": {}})
+    kind = str(sec.get("type", "")).lower()
+    if kind not in TORCH_OPTIMIZERS:
+        raise ValueError(f"optimizer type {sec.get('type')!r} needs DeepSpeed's compiled ops; "
+                         f"on this path use one of {', '.join(TORCH_OPTIMIZERS.values())}")
+    if (kind == "sgd") != (name == "sgd"):
+        raise ValueError(f"deepspeed_config's optimizer type {sec['type']!r} disagrees with "
+                         f"the TrainConfig's optimizer={name!r}; make them agree")
+    params = sec.setdefault("params", {})
+    _agree(params, "lr", cfg.lr, "optimizer.params.lr")
+
+
+def ds_config_for(cfg, dp_size: int) -> dict:
+    """The DeepSpeed config for ``cfg`` (fields micro_batch, grad_accum, precision,
+    offload, strategy, lr, optimizer, deepspeed_config) on ``dp_size`` dp ranks.
+
+    Starts from ``cfg.deepspeed_config`` as written and fills in what it leaves
+    out; adds the CPU-safe settings nbpar needs (client optimizer allowed with
+    offload, ZeRO-3 partitions every parameter however small).
+    """
+    d = validate_ds_config(cfg.deepspeed_config) if cfg.deepspeed_config is not None else {}
+    _agree(d, "train_micro_batch_size_per_gpu", cfg.micro_batch, "train_micro_batch_size_per_gpu")
+    # for DeepSpeed's PipelineEngine gradient_accumulation_steps is the number of
+    # micro-batches in flight, which is TrainConfig.grad_accum there too
+    _agree(d, "gradient_accumulation_steps", cfg.grad_accum, "gradient_accumulation_steps")
+    _agree(d, "train_batch_size", cfg.micro_batch * cfg.grad_accum * dp_size, "train_batch_size")
+    pipelined = cfg.strategy in ("pipeline", "hybrid")
+    zero = d.setdefault("zero_optimization", {})
+    if cfg.strategy in STAGE_OF:
+        _agree(zero, "stage", STAGE_OF[cfg.strategy], "zero_optimization.stage")
+    stage = zero.setdefault("stage", 0)
+    if pipelined and stage >= 2:
+        raise ValueError(f"DeepSpeed's PipelineModule supports ZeRO stage 0 or 1 only, "
+                         f"deepspeed_config asks for stage {stage}")
+    _precision(d, cfg.precision)
+    _offload(zero, getattr(cfg, "offload", "none"), stage)
+    _optimizer(d, cfg)
+    if stage == 3:
+        zero.setdefault("stage3_param_persistence_threshold", 0)
+    d.setdefault("zero_force_ds_cpu_optimizer", False)
+    d.setdefault("steps_per_print", 10 ** 9)
+    return d

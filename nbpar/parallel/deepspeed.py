@@ -1,0 +1,242 @@
+"""DeepSpeed ZeRO stages 0-3 (Rajbhandari et al., SC 2020) and ZeRO-Offload
+(Ren et al., USENIX ATC 2021) as a StepRunner.
+
+The engine runs on the process group that already exists; on CPU it never
+compiles anything: the shm comm op is switched off and the optimizer is a
+client torch optimizer built from the config's "optimizer" section.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+
+import torch
+
+from nbpar import device
+from nbpar.ds_config import ds_config_for, offload_device
+from nbpar.parallel.runner import StepRunner, tensor_bytes
+
+# optimizer attributes that hold fp32 master copies (stage 0-3, bf16/fp16 wrappers)
+_MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat",
+                 "fp32_groups_flat_partition", "fp32_groups_flat", "fp32_groups")
+# optimizer attributes that keep gradient partitions alive between steps
+_GRAD_ATTRS = ("averaged_gradients", "grad_partitions_flat_buffer",
+               "fp32_groups_gradient_flat_partition")
+
+
+def import_deepspeed():
+    """Import deepspeed the CPU-safe way: DS_ACCELERATOR=cpu without a GPU, no shm op."""
+    device.deepspeed_env()
+    import deepspeed
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    # its per-engine INFO banner would fill every notebook cell's output
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    return deepspeed
+
+
+def client_optimizer(section: dict, params) -> torch.optim.Optimizer:
+    """The torch optimizer for a ds_config "optimizer" section (Adam, AdamW, SGD).
+
+    DeepSpeed's "Adam" defaults to ``adam_w_mode`` (decoupled weight decay) with
+    weight_decay 0, which torch.optim.AdamW reproduces without compiled ops.
+    """
+    kind = str(section.get("type", "")).lower()
+    p = dict(section.get("params", {}))
+    adam_w = p.pop("adam_w_mode", True)
+    for ignored in ("torch_adam", "bias_correction", "fused"):
+        p.pop(ignored, None)
+    if kind in ("adam", "adamw"):
+        p.setdefault("weight_decay", 0.0)
+        cls = torch.optim.AdamW if kind == "adamw" or adam_w else torch.optim.Adam
+        return cls(params, **p)
+    if kind == "sgd":
+        return torch.optim.SGD(params, **p)
+    raise ValueError(f"optimizer type {section.get('type')!r} needs DeepSpeed's compiled ops; "
+                     f"use Adam, AdamW or SGD")
+
+
+class MeshMPU:
+    """DeepSpeed's "mpu" interface read off the ("pp", "dp", "tp") DeviceMesh,
+    so the engine reduces over the dp group only when tp > 1."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+
+    def _group(self, dim):
+        return self.mesh[dim].get_group()
+
+    def get_data_parallel_group(self):
+        return self._group("dp")
+
+    def get_data_parallel_rank(self):
+        return self.mesh["dp"].get_local_rank()
+
+    def get_data_parallel_world_size(self):
+        return self.mesh["dp"].size()
+
+    def get_model_parallel_group(self):
+        return self._group("tp")
+
+    def get_model_parallel_rank(self):
+        return self.mesh["tp"].get_local_rank()
+
+    def get_model_parallel_world_size(self):
+        return self.mesh["tp"].size()
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
+
+def _tensors(obj):
+    """Tensors inside ``obj``: a tensor, or (nested) lists/tuples/dicts of them."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+class DeepSpeedRunner(StepRunner):
+    """Drives a DeepSpeedEngine: forward, ``engine.backward`` (which divides by the
+    accumulation steps and applies the fp16 loss scale), ``engine.step`` (which
+    steps the optimizer only at the accumulation boundary)."""
+
+    def __init__(self, engine, loss, config: dict):
+        super().__init__(engine, engine.optimizer, loss, device_type=engine.device.type)
+        self.engine = engine
+        self.config = config
+        self.stage = config["zero_optimization"]["stage"]
+        self.dtype = (torch.float16 if engine.fp16_enabled() else
+                      torch.bfloat16 if engine.bfloat16_enabled() else torch.float32)
+
+    def train_step(self, micro_batches):
+        gas = self.engine.gradient_accumulation_steps()
+        if len(micro_batches) != gas:
+            raise ValueError(f"got {len(micro_batches)} micro-batches, the DeepSpeed engine "
+                             f"accumulates over gradient_accumulation_steps={gas}")
+        losses = []
+        for x, y in micro_batches:
+            if x.is_floating_point():
+                x = x.to(self.dtype)
+            loss = self.loss_fn(self.engine(x).float(), y)
+            self.engine.backward(loss)
+            self.engine.step()
+            losses.append(loss.detach().float())
+        return torch.stack(losses).mean()
+
+    def parameters(self):
+        return list(self.engine.module.parameters())
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter whole, as fp32 copies (a collective under ZeRO-3)."""
+        deepspeed = import_deepspeed()
+        named = list(self.engine.module.named_parameters())
+        with deepspeed.zero.GatheredParameters([p for _, p in named]):
+            return {n: p.detach().float().clone() for n, p in named}
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds, wherever they live (device or host).
+
+        param_bytes: the module's parameters (under ZeRO-3 their ``ds_tensor``
+        partitions; gathered copies are transient). optim_bytes: fp32 master
+        partitions plus the inner torch optimizer's state. grad_bytes: gradient
+        partitions/buffers kept between steps and ``.grad`` of params and masters.
+        offload_bytes: how much of those DeepSpeed's offload keeps in host memory.
+        """
+        params = self.parameters()
+        opt = self.engine.optimizer
+        inner = getattr(opt, "optimizer", opt)
+        masters = [t for a in _MASTER_ATTRS for t in _tensors(getattr(opt, a, None))]
+        state = list(_tensors(list(inner.state.values())))
+        state = [t for t in state if t.dim() > 0]
+        grads = [p.grad for p in params] + [m.grad for m in masters]
+        grads += [t for a in _GRAD_ATTRS for t in _tensors(getattr(opt, a, None))]
+        shards = [getattr(p, "ds_tensor", None) for p in params]
+        zero = self.config["zero_optimization"]
+        offloaded = []
+        if offload_device(zero, "offload_optimizer") != "none":
+            offloaded += masters + state
+        if offload_device(zero, "offload_param") != "none":
+            offloaded += shards
+        return {"param_bytes": tensor_bytes(params + shards),
+                "grad_bytes": tensor_bytes(grads),
+                "optim_bytes": tensor_bytes(masters + state),
+                "offload_bytes": tensor_bytes(offloaded)}
+
+    def close(self) -> None:
+        """Destroy the engine and drop every reference to it (idempotent), so
+        repeated runs in one engine process do not accumulate models."""
+        engine, self.engine = getattr(self, "engine", None), None
+        self.model = self.optimizer = None
+        if engine is not None:
+            _release(engine)
+        del engine
+        gc.collect()
+
+
+def _release(engine) -> None:
+    """``engine.destroy()`` plus what it leaves behind in deepspeed 0.19: the
+    engine's forward hooks on the user's module, and ZeRO-3's module-level
+    ``FWD_MODULE_STACK``, which keeps the root module (and through its hooks
+    the whole engine) alive forever."""
+    module = engine.module
+    if hasattr(engine, "destroy"):
+        engine.destroy()
+    for name in ("module_forward_pre_hook", "module_forward_post_hook", "first_dataloader_check"):
+        handle = getattr(engine, name, None)
+        if handle is not None and hasattr(handle, "remove"):
+            handle.remove()
+    for p in module.parameters():
+        if hasattr(p, "ds_tensor"):  # ZeRO-3 attributes point back into the optimizer
+            p.__dict__.clear()
+    try:
+        from deepspeed.runtime.zero import parameter_offload
+    except ImportError:
+        return
+    stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
+    if isinstance(stack, list):
+        stack[:] = [m for m in stack if m is not module]
+
+
+def initialize(model, config: dict, mesh=None):
+    """``deepspeed.initialize`` on the existing process group with a client optimizer.
+
+    ``config`` is a full ds_config (see `nbpar.ds_config.ds_config_for`); its
+    "optimizer" section becomes the client optimizer. With a ``mesh`` whose dp
+    is smaller than the world, the engine gets the dp group through `MeshMPU`.
+    """
+    deepspeed = import_deepspeed()
+    config = dict(config)
+    section = config.pop("optimizer")
+    opt = client_optimizer(section, [p for p in model.parameters() if p.requires_grad])
+    mpu = None
+    if mesh is not None:
+        if mesh["pp"].size() > 1:
+            raise ValueError("the DeepSpeed ZeRO engine does not run pipeline stages; "
+                             "use strategy='pipeline' with backend='deepspeed' for pp > 1")
+        if mesh["dp"].size() != mesh.size():
+            mpu = MeshMPU(mesh)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config,
+                                           mpu=mpu, dist_init_required=False)
+    return engine
+
+
+def build_runner(model, cfg, mesh, loss=None) -> DeepSpeedRunner:
+    """DeepSpeed ZeRO stage 0 (``ddp``), 1, 2 or 3 over ``mesh["dp"]`` as ``cfg`` asks.
+
+    ``loss`` defaults to ``nbpar.models.loss_fn(cfg.model)``.
+    """
+    if cfg.strategy not in ("ddp", "zero1", "zero2", "zero3"):
+        raise ValueError(f"the DeepSpeed ZeRO runner takes strategy ddp, zero1, zero2 or "
+                         f"zero3, got {cfg.strategy!r}")
+    config = ds_config_for(cfg, mesh["dp"].size())
+    if loss is None:
+        from nbpar.models import loss_fn
+        loss = loss_fn(cfg.model)
+    engine = initialize(model, config, mesh)
+    return DeepSpeedRunner(engine, loss, config)

@@ -1,0 +1,183 @@
+"""Torch-native ZeRO (Rajbhandari et al., "ZeRO: Memory Optimizations Toward
+Training Trillion Parameter Models", SC 2020) over the dp dimension.
+
+- zero1: DDP + ``ZeroRedundancyOptimizer``: each dp rank keeps the Adam state of
+  about 1/N of the parameters (stage 1, P_os); params and grads stay whole.
+- zero2: FSDP2 ``fully_shard(reshard_after_forward=False)``: grads and optimizer
+  state sharded; parameters stay gathered from forward to backward (stage 2-like).
+- zero3: FSDP2 ``fully_shard(reshard_after_forward=True)``: parameters sharded at
+  rest too, gathered per block just in time (stage 3, P_os+g+p).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from nbpar.parallel.runner import StepRunner, optimizer_state_tensors, tensor_bytes
+
+TORCH_PRECISIONS = ("fp32", "bf16")
+OPTIMIZERS = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}  # as make_optimizer builds
+
+
+def model_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks to shard one by one: TinyGPT's ``layers`` values, else none."""
+    layers = getattr(model, "layers", None)
+    if isinstance(layers, nn.ModuleDict):
+        return list(layers.values())
+    if isinstance(layers, (nn.ModuleList, nn.Sequential)):
+        return list(layers)
+    return []
+
+
+def apply_fsdp(model: nn.Module, dp_mesh, reshard_after_forward: bool = True, *,
+               param_dtype: torch.dtype | None = None) -> nn.Module:
+    """Shard ``model`` with FSDP2 over the 1-D ``dp_mesh`` (e.g. ``mesh["dp"]``), in place.
+
+    Each block becomes its own FSDP unit (one all-gather per block in forward,
+    one reduce-scatter per block in backward), then the root takes the rest
+    (embeddings, norm, head). ``param_dtype`` (e.g. ``torch.bfloat16``) computes
+    in that dtype while gradients are reduced and stored in fp32.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    def policy(root: bool) -> MixedPrecisionPolicy:
+        if param_dtype is None:
+            return MixedPrecisionPolicy()
+        # the root hands fp32 logits to the loss
+        return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
+                                    output_dtype=torch.float32 if root else None)
+
+    for block in model_blocks(model):
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+                    mp_policy=policy(False))
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+                mp_policy=policy(True))
+    return model
+
+
+def apply_zero1(model: nn.Module, dp_mesh, optimizer_class=torch.optim.Adam, *,
+                timer=None, **defaults):
+    """DDP over ``dp_mesh`` plus a ZeroRedundancyOptimizer over the same group.
+
+    Returns ``(ddp_model, optimizer)``; ``defaults`` go to ``optimizer_class``
+    (e.g. ``lr=1e-3``). Parameters are assigned to ranks whole, greedily by
+    size, so the state split is ~1/N when the model has many similar tensors.
+    """
+    from nbpar.parallel.ddp import apply_ddp
+
+    ddp = apply_ddp(model, dp_mesh, timer=timer)
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=optimizer_class,
+                                  process_group=dp_mesh.get_group(), **defaults)
+    return ddp, opt
+
+
+def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole, as fp32 copies keyed by the unwrapped name
+    (FSDP2's DTensors are all-gathered: a collective, call it on every dp rank)."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name.removeprefix("module.")] = t.detach().float().clone()
+    return out
+
+
+class Zero1Runner(StepRunner):
+    """DDP + sharded optimizer; accumulation skips the all-reduce until the last micro-batch."""
+
+    def __init__(self, model, optimizer, loss, *, timer=None, **kw):
+        super().__init__(model, optimizer, loss, **kw)
+        self.comm_timer = timer
+
+    def train_step(self, micro_batches):
+        self.optimizer.zero_grad(set_to_none=True)
+        n = len(micro_batches)
+        losses = []
+        for i, (x, y) in enumerate(micro_batches):
+            sync = self.model.no_sync() if i < n - 1 else contextlib.nullcontext()
+            with sync:
+                losses.append(self.forward_backward(x, y, 1.0 / n))
+        self.optimizer.step()  # updates this rank's partition, then broadcasts it
+        return torch.stack(losses).mean()
+
+    def memory(self) -> dict[str, int]:
+        out = super().memory()
+        # the state lives in the wrapped local optimizer, over this rank's partition only
+        out["optim_bytes"] = tensor_bytes(optimizer_state_tensors(self.optimizer.optim))
+        return out
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return full_parameters(self.model)
+
+    def close(self) -> None:
+        self.model = None
+        super().close()
+
+
+class FSDPRunner(StepRunner):
+    """FSDP2 runner; gradient accumulation reduce-scatters only on the last micro-batch.
+
+    Earlier micro-batches keep unsharded fp32 gradients locally (``set_requires_
+    gradient_sync(False)``): one reduce-scatter per step instead of one per
+    micro-batch, at the cost of full-size gradients during accumulation.
+    """
+
+    def train_step(self, micro_batches):
+        self.optimizer.zero_grad(set_to_none=True)
+        n = len(micro_batches)
+        losses = []
+        for i, (x, y) in enumerate(micro_batches):
+            self.model.set_requires_gradient_sync(i == n - 1)
+            losses.append(self.forward_backward(x, y, 1.0 / n))
+        self.optimizer.step()
+        return torch.stack(losses).mean()
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return full_parameters(self.model)
+
+    def close(self) -> None:
+        self.model = None
+        super().close()
+
+
+def _check(cfg) -> None:
+    if cfg.strategy not in ("zero1", "zero2", "zero3"):
+        raise ValueError(f"torch ZeRO runs strategy zero1, zero2 or zero3, got {cfg.strategy!r}")
+    if cfg.precision not in TORCH_PRECISIONS:
+        raise ValueError(f"precision={cfg.precision!r} with backend='torch' ZeRO is not "
+                         f"supported; use fp32 or bf16 (fp16 needs backend='deepspeed')")
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={cfg.optimizer!r} is not supported; choose adam or sgd")
+    if getattr(cfg, "offload", "none") != "none":
+        raise ValueError(f"offload={cfg.offload!r} needs backend='deepspeed'")
+
+
+def build_runner(model, cfg, mesh, loss=None) -> StepRunner:
+    """The runner of torch ZeRO ``cfg.strategy`` over ``mesh["dp"]``.
+
+    ``loss`` defaults to ``nbpar.models.loss_fn(cfg.model)``.
+    """
+    from nbpar.parallel import autocast_dtype, make_optimizer, model_device_type
+
+    _check(cfg)
+    if loss is None:
+        from nbpar.models import loss_fn
+        loss = loss_fn(cfg.model)
+    device_type = model_device_type(model)
+    dp_mesh = mesh["dp"]
+    if cfg.strategy == "zero1":
+        from nbpar.metrics import CommTimer
+
+        timer = CommTimer()
+        ddp, opt = apply_zero1(model, dp_mesh, OPTIMIZERS[cfg.optimizer], timer=timer,
+                               lr=cfg.lr)
+        return Zero1Runner(ddp, opt, loss, timer=timer, autocast_dtype=autocast_dtype(cfg),
+                           device_type=device_type)
+    reshard = cfg.strategy == "zero3"
+    if getattr(cfg, "fsdp_reshard", None) is not None:
+        reshard = cfg.fsdp_reshard
+    apply_fsdp(model, dp_mesh, reshard, param_dtype=autocast_dtype(cfg))
+    return FSDPRunner(model, make_optimizer(model.parameters(), cfg), loss,
+                      device_type=device_type)
