@@ -1,0 +1,255 @@
+"""Pipeline parallelism with torch.distributed.pipelining.
+
+Layer-wise model parallelism: the blocks of a TinyGPT are cut into ``pp``
+stages (``pp * virtual`` for interleaving); micro-batches flow through them on
+a schedule: GPipe (Huang et al. 2019, fill-drain), 1F1B (PipeDream-Flush,
+Narayanan et al. 2019) or interleaved 1F1B (Megatron-LM, Narayanan et al. 2021).
+Every forward/backward of a micro-batch is timed to measure the bubble.
+"""
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                          ScheduleInterleaved1F1B)
+
+from .. import timeline as _timeline
+from . import autocast_dtype as precision_dtype
+from . import make_optimizer
+from .runner import StepRunner
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+             "interleaved": ScheduleInterleaved1F1B}
+INTERLEAVED_CHUNKS = 2
+"""model chunks (virtual stages) per rank for the interleaved schedule"""
+theory_bubble = _timeline.theory_bubble
+
+
+def stage_ids(pp_rank: int, pp_size: int, virtual: int = 1) -> list[int]:
+    """Stages held by ``pp_rank``: round-robin, ``pp_rank + k * pp_size``."""
+    return [pp_rank + k * pp_size for k in range(virtual)]
+
+
+def layer_ranges(n_layers: int, n_stages: int) -> list[range]:
+    """Split ``n_layers`` blocks into ``n_stages`` contiguous runs, sizes differing <= 1."""
+    base, extra = divmod(n_layers, n_stages)
+    ranges, start = [], 0
+    for s in range(n_stages):
+        size = base + (1 if s < extra else 0)
+        ranges.append(range(start, start + size))
+        start += size
+    return ranges
+
+
+def split_stages(model: nn.Module, pp_rank: int, pp_size: int,
+                 virtual: int = 1) -> list[nn.Module]:
+    """The stage modules of ``pp_rank``: copies of ``model`` keeping only their part.
+
+    Stage 0 keeps ``tok_emb``/``pos_emb``, the last stage ``norm``/``head``;
+    parameter names stay those of the full model. ``model`` is not modified.
+    """
+    n_layers = len(model.layers)
+    for name, value in (("pp_size", pp_size), ("virtual", virtual)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank must be in [0, {pp_size}), got {pp_rank}")
+    n_stages = pp_size * virtual
+    if n_stages > n_layers:
+        raise ValueError(f"cannot cut {n_layers} layers into pp*virtual = "
+                         f"{pp_size}*{virtual} = {n_stages} stages: need at most one "
+                         f"stage per layer")
+    keys = list(model.layers.keys())
+    ranges = layer_ranges(n_layers, n_stages)
+    chunks = []
+    for s in stage_ids(pp_rank, pp_size, virtual):
+        chunk = copy.deepcopy(model)
+        for i, key in enumerate(keys):
+            if i not in ranges[s]:
+                del chunk.layers[key]
+        if s != 0:
+            chunk.tok_emb = chunk.pos_emb = None
+        if s != n_stages - 1:
+            chunk.norm = chunk.head = None
+        chunks.append(chunk)
+    return chunks
+
+
+def validate(cfg, pp: int, n_layers: int) -> int:
+    """Check the schedule against pp and the model; return chunks per rank."""
+    if cfg.schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {cfg.schedule!r}; "
+                         f"choose one of {', '.join(SCHEDULES)}")
+    virtual = INTERLEAVED_CHUNKS if cfg.schedule == "interleaved" else 1
+    if cfg.schedule != "gpipe" and cfg.grad_accum < pp:
+        raise ValueError(f"schedule {cfg.schedule!r} needs at least as many micro-batches "
+                         f"(grad_accum={cfg.grad_accum}) as pipeline stages (pp={pp})")
+    if pp * virtual > n_layers:
+        raise ValueError(f"schedule {cfg.schedule!r} with pp={pp} needs {pp * virtual} "
+                         f"stages but the model has only {n_layers} layers")
+    if getattr(cfg, "precision", "fp32") == "fp16":
+        raise ValueError("pipeline training supports precision fp32 or bf16, got 'fp16'")
+    return virtual
+
+
+class TimedStage(PipelineStage):
+    """A PipelineStage that records when each micro-batch's F and B run.
+
+    Every schedule (single- and multi-stage) calls ``forward_one_chunk`` and
+    ``backward_one_chunk`` after its receives completed, so these spans are
+    pure compute: the gaps between them are the bubble plus communication.
+    """
+
+    def __init__(self, *args, events: list, clock: list, autocast_dtype=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._events, self._clock = events, clock
+        self._autocast_dtype = autocast_dtype
+
+    def _record(self, mb: int, kind: str, start: float) -> None:
+        offset = self._clock[0]  # to pp rank 0's clock
+        self._events.append(dict(stage=self.stage_index, microbatch=mb, kind=kind,
+                                 start=start - offset, end=time.perf_counter() - offset))
+
+    def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
+        start = time.perf_counter()
+        if self._autocast_dtype is None:
+            out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        else:
+            with torch.autocast(self.device.type, dtype=self._autocast_dtype):
+                out = super().forward_one_chunk(fwd_chunk_id, args, kwargs,
+                                                save_forward_output)
+        self._record(fwd_chunk_id, "F", start)
+        return out
+
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True,
+                           last_backward=False):
+        start = time.perf_counter()
+        out = super().backward_one_chunk(bwd_chunk_id, loss=loss,
+                                         full_backward=full_backward,
+                                         last_backward=last_backward)
+        self._record(bwd_chunk_id, "B", start)
+        return out
+
+
+def default_loss(cfg):
+    from ..models import loss_fn
+
+    return loss_fn(cfg.model)
+
+
+class PipelineRunner(StepRunner):
+    """Runs one schedule step per optimizer step on this rank's stage(s).
+
+    ``train_step`` returns the mean micro-batch loss, broadcast from the last
+    stage so every pp rank returns the same number. ``timeline()`` is the last
+    step's events of all pp ranks (gathered after each step), in seconds from
+    pp rank 0's step start; other ranks' clocks are mapped onto rank 0's with
+    an offset measured once at construction (``timeline.clock_offset``).
+    """
+
+    def __init__(self, chunks, stages, schedule, optimizer, loss_fn, pp_group, *,
+                 events, clock, autocast_dtype=None, device_type="cpu", dp_group=None):
+        super().__init__(nn.ModuleList(chunks), optimizer, loss_fn,
+                         autocast_dtype=autocast_dtype, device_type=device_type)
+        self.stages, self.schedule, self.pp_group = stages, schedule, pp_group
+        self.pp_size = dist.get_world_size(pp_group)
+        self.pp_rank = dist.get_rank(pp_group)
+        self.dp_group = dp_group
+        self._events, self._clock, self._timeline = events, clock, []
+        self._last_rank = dist.get_global_rank(pp_group, self.pp_size - 1)
+        self._clock[0] = _timeline.clock_offset(pp_group)
+
+    def reduce_data_parallel_grads(self) -> None:
+        """Hook for hybrid runners that average gradients over dp themselves."""
+
+    def train_step(self, micro_batches) -> torch.Tensor:
+        """One pipeline step over ``micro_batches`` (one per schedule micro-batch)."""
+        if len(micro_batches) != self.schedule._n_microbatches:
+            raise ValueError(f"expected {self.schedule._n_microbatches} micro-batches "
+                             f"(grad_accum), got {len(micro_batches)}")
+        self.optimizer.zero_grad(set_to_none=True)
+        device = self.stages[0].device
+        x = torch.cat([mb[0] for mb in micro_batches]).to(device)  # (m*b, s)
+        y = torch.cat([mb[1] for mb in micro_batches]).to(device)  # (m*b, s)
+        first = any(s.is_first for s in self.stages)
+        last = any(s.is_last for s in self.stages)
+        self._events.clear()
+        dist.barrier(group=self.pp_group)
+        t0 = time.perf_counter() - self._clock[0]
+        losses: list = []
+        args = (x,) if first else ()
+        self.schedule.step(*args, target=y if last else None,
+                           losses=losses if last else None)
+        self.reduce_data_parallel_grads()
+        self.optimizer.step()
+        # The schedule averages each micro-batch loss and divides the
+        # gradients by m (scale_grads): both equal the global-batch mean.
+        loss = (torch.stack([l.detach().float() for l in losses]).mean() if last
+                else torch.zeros((), dtype=torch.float32, device=x.device))
+        dist.broadcast(loss, src=self._last_rank, group=self.pp_group)
+        self._gather_timeline(t0)
+        return loss
+
+    def _gather_timeline(self, t0: float) -> None:
+        """Collect every pp rank's spans, relative to pp rank 0's step start."""
+        gathered: list = [None] * self.pp_size
+        dist.all_gather_object(gathered, (t0, self._events), group=self.pp_group)
+        start = gathered[0][0]
+        self._timeline = sorted(
+            (dict(e, rank=r, start=e["start"] - start, end=e["end"] - start)
+             for r, (_, events) in enumerate(gathered) for e in events),
+            key=lambda e: (e["rank"], e["start"]))
+
+    def timeline(self) -> list[dict]:
+        """Events of the last step on every pp rank: stage, rank, microbatch, kind, start, end."""
+        return list(self._timeline)
+
+    def bubble_fraction(self) -> float:
+        """Measured idle share of the pp ranks over the last step."""
+        return _timeline.bubble_fraction(self._timeline, self.pp_size)
+
+
+def build_stages(chunks, pp_rank, pp_size, virtual, pp_group, device, autocast_dtype):
+    """Wrap this rank's chunks in TimedStages (shapes inferred on the first step)."""
+    events, clock = [], [0.0]
+    stages = [TimedStage(chunk, sid, pp_size * virtual, device, group=pp_group,
+                         events=events, clock=clock, autocast_dtype=autocast_dtype)
+              for chunk, sid in zip(chunks, stage_ids(pp_rank, pp_size, virtual))]
+    return stages, events, clock
+
+
+def make_schedule(cfg, stages, loss_fn):
+    cls = SCHEDULES[cfg.schedule]
+    if cfg.schedule == "interleaved":
+        return cls(stages, n_microbatches=cfg.grad_accum, loss_fn=loss_fn)
+    return cls(stages[0], n_microbatches=cfg.grad_accum, loss_fn=loss_fn)
+
+
+def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None, prepare=None,
+                 runner_cls=PipelineRunner, **runner_kwargs) -> PipelineRunner:
+    """Pipeline runner for ``model`` on ``mesh["pp"]`` with ``cfg.schedule``.
+
+    ``prepare(chunk) -> chunk`` (hybrid) shards each stage module further
+    (tensor / data parallel) before it is wrapped in a stage.
+    """
+    pp_mesh = mesh["pp"]
+    pp_size, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    virtual = validate(cfg, pp_size, len(model.layers))
+    device = torch.device(mesh.device_type)
+    chunks = [c.to(device) for c in split_stages(model, pp_rank, pp_size, virtual)]
+    if prepare is not None:
+        chunks = [prepare(c) for c in chunks]
+    pp_group = pp_mesh.get_group()
+    dtype = precision_dtype(cfg)
+    stages, events, clock = build_stages(chunks, pp_rank, pp_size, virtual, pp_group,
+                                         device, dtype)
+    loss_fn = loss_fn or default_loss(cfg)
+    schedule = make_schedule(cfg, stages, loss_fn)
+    optimizer = make_optimizer([p for c in chunks for p in c.parameters()], cfg)
+    return runner_cls(chunks, stages, schedule, optimizer, loss_fn, pp_group,
+                      events=events, clock=clock, autocast_dtype=dtype,
+                      device_type=device.type, **runner_kwargs)

@@ -1,0 +1,215 @@
+"""Pipeline parallelism (GPipe, 1F1B, interleaved 1F1B) against one process.
+
+Every schedule must give, step by step, the loss of single-process training
+of the full model on the same global batch with gradient accumulation.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from nbpar.config import GPTConfig, TrainConfig
+from nbpar.models import TinyGPT, next_token_loss as lm_loss
+from nbpar.parallel import ds_pipeline, pipeline
+from nbpar.timeline import (bubble_fraction, clock_offset, cristian_offset, plot_timeline,
+                            theory_bubble)
+from tests.distributed import run_distributed
+
+STEPS, ACCUM, MICRO = 20, 4, 2
+SIZES = dict(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=4)
+
+
+def make_model(seed=0, **sizes):
+    torch.manual_seed(seed)
+    return TinyGPT(GPTConfig(**{**SIZES, **sizes}))
+
+
+def make_cfg(**kw):
+    base = dict(model="tiny_gpt", schedule="1f1b", grad_accum=ACCUM, micro_batch=MICRO,
+                lr=1e-3, optimizer="adam", precision="fp32", strategy="pipeline",
+                gpt=GPTConfig(**SIZES))
+    return TrainConfig(**{**base, **kw})
+
+
+def batches(step, accum=ACCUM, micro=MICRO):
+    """The micro-batches (x, y) of global step ``step``; same on every rank."""
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, SIZES["vocab_size"], (accum * micro, SIZES["seq_len"] + 1),
+                           generator=g)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    return [(x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro])
+            for i in range(accum)]
+
+
+@functools.lru_cache(maxsize=None)
+def single_losses(steps=STEPS, accum=ACCUM, micro=MICRO):
+    """Reference: full model, one process, accumulation over the same micro-batches."""
+    from nbpar.parallel.runner import StepRunner
+
+    model = make_model()
+    runner = StepRunner(model, torch.optim.Adam(model.parameters(), lr=1e-3), lm_loss)
+    return [runner.train_step(batches(s, accum, micro)).item()
+            for s in range(steps)]
+
+
+def build_mesh(world, **dims):
+    from nbpar.parallel.mesh import ParallelDims
+
+    return ParallelDims(world_size=world, **dims).build_mesh("cpu")
+
+
+def _train_schedules(rank, world):
+    mesh = build_mesh(world, pp=world)
+    out = {}
+    for schedule in ("gpipe", "1f1b", "interleaved"):
+        runner = pipeline.build_runner(make_model(), make_cfg(schedule=schedule), mesh,
+                                       loss_fn=lm_loss)
+        with pytest.raises(ValueError, match="expected 4 micro-batches"):
+            runner.train_step(batches(0)[:2])
+        losses, keys_ok = [], True
+        for s in range(STEPS):
+            losses.append(runner.train_step(batches(s)).item())
+            keys = sorted((e["stage"], e["microbatch"], e["kind"]) for e in runner.timeline())
+            n_stages = world * (2 if schedule == "interleaved" else 1)
+            keys_ok &= keys == sorted((st, mb, k) for st in range(n_stages)
+                                      for mb in range(ACCUM) for k in "FB")
+        out[schedule] = dict(losses=losses, keys_ok=keys_ok, timeline=runner.timeline(),
+                             bubble=runner.bubble_fraction())
+    runner = pipeline.build_runner(make_model(), make_cfg(precision="bf16"), mesh,
+                                   loss_fn=lm_loss)
+    out["bf16"] = [runner.train_step(batches(s)).item() for s in range(3)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def pp2_results():
+    return run_distributed(_train_schedules, 2, timeout=200)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+def test_pp2_schedule_matches_single_process(pp2_results, schedule):
+    ref = torch.tensor(single_losses())
+    for rank_out in pp2_results:
+        got = torch.tensor(rank_out[schedule]["losses"])
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.timeout(240)
+def test_pp2_bf16_autocast_stays_close_to_fp32(pp2_results):
+    bf16 = torch.tensor(pp2_results[0]["bf16"])
+    torch.testing.assert_close(bf16, torch.tensor(single_losses(3)), atol=3e-2, rtol=0)
+    assert not torch.equal(bf16, torch.tensor(single_losses(3)))  # autocast really ran
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+def test_timeline_is_complete_and_causal(pp2_results, schedule):
+    res = pp2_results[0][schedule]
+    assert res["keys_ok"], "a (stage, microbatch, kind) was missing or repeated in a step"
+    assert pp2_results[1][schedule]["timeline"] == res["timeline"]  # gathered everywhere
+    span = {(e["stage"], e["microbatch"], e["kind"]): e for e in res["timeline"]}
+    n_stages = 4 if schedule == "interleaved" else 2
+    for mb in range(ACCUM):
+        for st in range(1, n_stages):
+            assert span[(st, mb, "F")]["start"] >= span[(st - 1, mb, "F")]["end"]
+            assert span[(st - 1, mb, "B")]["start"] >= span[(st, mb, "B")]["end"]
+    assert 0.0 < res["bubble"] < 1.0
+    assert res["bubble"] == pytest.approx(bubble_fraction(res["timeline"], 2))
+    fig = plot_timeline(res["timeline"])
+    assert len(fig.axes[0].patches) == len(res["timeline"])
+
+
+def test_theory_bubble_and_measured_bubble():
+    assert theory_bubble(2, 4) == pytest.approx(0.2)
+    assert theory_bubble(4, 4) == pytest.approx(3 / 7)
+    assert theory_bubble(1, 8) == 0.0
+    events = [dict(stage=0, microbatch=0, kind="F", start=0.0, end=1.0),
+              dict(stage=1, microbatch=0, kind="F", start=1.0, end=2.0)]
+    assert bubble_fraction(events, 2) == pytest.approx(0.5)
+    assert theory_bubble(2, 4, v=2) == pytest.approx(1 / 9)
+    with pytest.raises(ValueError, match="p, m and v"):
+        theory_bubble(0, 4)
+
+
+def test_split_stages_partitions_the_model():
+    model = make_model()
+    full = dict(model.named_parameters())
+    for pp, virtual in ((2, 1), (2, 2), (4, 1), (3, 1)):
+        seen = {}
+        for r in range(pp):
+            for chunk in pipeline.split_stages(model, r, pp, virtual):
+                for name, p in chunk.named_parameters():
+                    assert name not in seen, f"{name} on two stages"
+                    seen[name] = p
+        assert set(seen) == set(full)
+        for name, p in seen.items():
+            torch.testing.assert_close(p, full[name])
+    first, = pipeline.split_stages(model, 0, 2)
+    last, = pipeline.split_stages(model, 1, 2)
+    assert first.head is None and first.tok_emb is not None and list(first.layers) == ["0", "1"]
+    assert last.tok_emb is None and last.head is not None and list(last.layers) == ["2", "3"]
+    assert [list(c.layers) for c in pipeline.split_stages(model, 1, 2, virtual=2)] == [["1"], ["3"]]
+    assert [len(r) for r in pipeline.layer_ranges(5, 3)] == [2, 2, 1]
+
+
+def test_split_and_schedule_reject_bad_input():
+    model = make_model()
+    with pytest.raises(ValueError, match="4 layers"):
+        pipeline.split_stages(model, 0, 5)
+    with pytest.raises(ValueError, match="stages"):
+        pipeline.split_stages(model, 0, 3, virtual=2)
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'zigzag'"):
+        pipeline.validate(make_cfg(schedule="zigzag"), 2, 4)
+    with pytest.raises(ValueError, match="grad_accum=1"):
+        pipeline.validate(make_cfg(schedule="interleaved", grad_accum=1), 2, 4)
+    with pytest.raises(ValueError, match="only 4 layers"):
+        pipeline.validate(make_cfg(schedule="interleaved"), 4, 4)
+    assert pipeline.validate(make_cfg(schedule="interleaved"), 2, 4) == 2
+
+
+def _train_deepspeed(rank, world):
+    mesh = build_mesh(world, pp=world)
+    runner = ds_pipeline.build_runner(make_model(), make_cfg(backend="deepspeed"), mesh,
+                                      loss_fn=lm_loss)
+    with pytest.raises(ValueError, match="micro-batches"):
+        runner.train_step(batches(0)[:2])
+    return [runner.train_step(batches(s)).item() for s in range(STEPS)]
+
+
+@pytest.mark.timeout(240)
+def test_deepspeed_pipeline_pp2_matches_single_process():
+    ref = torch.tensor(single_losses())
+    for losses in run_distributed(_train_deepspeed, 2, timeout=230):
+        torch.testing.assert_close(torch.tensor(losses), ref, atol=1e-5, rtol=0)
+
+
+def test_deepspeed_pipeline_rejects_zero2_and_3():
+    for stage in (2, 3):
+        cfg = make_cfg(backend="deepspeed",
+                       deepspeed_config={"zero_optimization": {"stage": stage}})
+        with pytest.raises(ValueError, match=f"ZeRO stage 0 or 1 only \\(got stage {stage}\\)"):
+            ds_pipeline.ds_config(cfg, dp=1)
+    cfg = make_cfg(backend="deepspeed", deepspeed_config={"zero_optimization": {"stage": 1}})
+    config = ds_pipeline.ds_config(cfg, dp=2)
+    assert config["zero_optimization"]["stage"] == 1
+    assert config["train_batch_size"] == MICRO * ACCUM * 2
+    assert config["gradient_accumulation_steps"] == ACCUM
+
+
+def _clock_offsets(rank, world):
+    return clock_offset(), cristian_offset(rounds=16)
+
+
+@pytest.mark.timeout(120)
+def test_clock_offsets_within_half_round_trip():
+    # one machine: clocks are shared, so the true offset is 0 and Cristian's
+    # estimate may miss it by at most half its best round trip
+    results = run_distributed(_clock_offsets, 3)
+    assert [same for same, _ in results] == [0.0, 0.0, 0.0]
+    assert results[0][1] == (0.0, 0.0)
+    for _, (offset, rtt) in results[1:]:
+        assert 0 < rtt < 1.0
+        assert abs(offset) <= rtt / 2 + 1e-6
