@@ -8,22 +8,18 @@ from __future__ import annotations
 
 import atexit
 import os
-import shutil
 import socket
 import time
 import weakref
 
 from nbpar import device
 from nbpar.errors import EngineDied, PoolError
+from nbpar.launchers import LAUNCHER_NEEDS, check_launcher as _check_launcher  # noqa: F401
 
 #: Faster than ipyparallel's defaults: engines register within ~0.2 s of
 #: starting (the default 3 s heartbeat period made registration take ~6 s); a
 #: dead engine is still only declared after 10 s without heartbeats.
 CONTROLLER_ARGS = ["--HeartMonitor.period=200", "--HeartMonitor.max_heartmonitor_misses=50"]
-LAUNCHER_NEEDS = {"mpi": ("mpiexec", "install OpenMPI (e.g. apt-get install openmpi-bin "
-                          "libopenmpi-dev) and `pip install mpi4py`"),
-                  "slurm": ("sbatch", "run inside a Slurm cluster (sbatch not found)"),
-                  "ssh": ("ssh", "install an ssh client")}
 _live: "weakref.WeakSet[Pool]" = weakref.WeakSet()
 _current: "weakref.ref[Pool] | None" = None
 
@@ -43,25 +39,6 @@ def _check_n(n) -> int:
     if n < 1:
         raise ValueError(f"Pool size must be at least 1, got {n}")
     return n
-
-
-def _check_launcher(launcher: str) -> None:
-    from ipyparallel.cluster.launcher import find_launcher_class
-
-    if not isinstance(launcher, str):
-        raise ValueError(f"launcher must be a name like 'local', 'mpi', 'slurm' or 'ssh', "
-                         f"got {launcher!r}")
-    try:
-        find_launcher_class(launcher, "engine")
-    except KeyError:
-        from importlib.metadata import entry_points
-
-        known = sorted(e.name for e in entry_points(group="ipyparallel.engine_launchers"))
-        raise ValueError(f"unknown launcher {launcher!r}; ipyparallel knows: "
-                         f"{', '.join(known)}") from None
-    need = LAUNCHER_NEEDS.get(launcher.lower())
-    if need and shutil.which(need[0]) is None:
-        raise ValueError(f"launcher={launcher!r} needs `{need[0]}` on PATH: {need[1]}")
 
 
 def _check_port(port, ip: str) -> None:
@@ -159,30 +136,32 @@ class Pool:
         if cluster_id:
             client_kwargs["cluster_id"] = cluster_id
         self.client = ipp.Client(**client_kwargs)
-        if n is not None:
-            self.client.wait_for_engines(_check_n(n), timeout=self.start_timeout,
-                                         interactive=False)
-        self.n = n or len(self.client.ids)
-        if self.n < 1:
-            raise PoolError("the cluster has no engines")
-        self._engine_ids = sorted(self.client.ids)[: self.n]
-        self._rendezvous()
+        try:
+            if n is not None:
+                self.client.wait_for_engines(_check_n(n), timeout=self.start_timeout,
+                                             interactive=False)
+            self.n = n or len(self.client.ids)
+            if self.n < 1:
+                raise PoolError("the cluster has no engines")
+            self._engine_ids = sorted(self.client.ids)[: self.n]
+            self._rendezvous()
+        except BaseException:
+            self.shutdown()  # closes our client; the cluster is not ours to stop
+            raise
         self.activate()
         return self
 
     def _start_cluster(self):
         import ipyparallel as ipp
 
+        from nbpar import launchers
+
         kwargs = dict(n=self.n, engines=self.launcher, controller_ip=self.ip, delay=0,
                       controller_args=list(CONTROLLER_ARGS), log_level=40,
                       engine_timeout=int(self.start_timeout))
         kwargs.update(self._cluster_kwargs)
         self.cluster = cluster = ipp.Cluster(**kwargs)
-        import sys
-
-        cluster.config.EngineLauncher.engine_cmd = [sys.executable, "-m", "nbpar._engine"]
-        if self.env:
-            cluster.config.EngineLauncher.environment = dict(self.env)
+        launchers.configure(cluster, self.launcher, self.n, self.env)
         cluster.start_cluster_sync()
         self.client = cluster.connect_client_sync()
         # no progress bar: notebook outputs must stay stable
@@ -240,14 +219,16 @@ class Pool:
         self._check_open()
         if self.owned:
             self.cluster.stop_engines_sync()
-            old = set(self.client.ids)
+            # by uuid, not id: MPI engines ask for their rank as id, so ids come back
+            old = dict(self.client._engines)
             self.cluster.start_engines_sync(self.n)
             deadline = time.monotonic() + self.start_timeout
-            while len(set(self.client.ids) - old) < self.n:
+            while len(fresh := [e for e, u in self.client._engines.items()
+                                if old.get(e) != u]) < self.n:
                 if time.monotonic() > deadline:
                     raise PoolError(f"engines did not come back within {self.start_timeout} s")
                 time.sleep(0.05)
-            self._engine_ids = sorted(set(self.client.ids) - old)[: self.n]
+            self._engine_ids = sorted(fresh)[: self.n]
         self._rendezvous()
         return self.activate()
 

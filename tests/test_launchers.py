@@ -1,0 +1,176 @@
+"""Launchers: a real MPI pool, clear errors before anything starts, env on engines, gpu_check."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+import nbpar
+from nbpar import device, launchers
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+NCCL_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"}
+MPI_MISSING = (shutil.which("mpiexec") is None or launchers.find_spec("mpi4py") is None)
+
+
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(MPI_MISSING, reason="MPI not installed: run "
+                    "`sh scripts/install_mpi.sh .venv/bin/python` (OpenMPI + mpi4py)")
+def test_mpi_pool_ranks_are_mpi_ranks_and_restart_keeps_them():
+    pool = nbpar.Pool(2, launcher="mpi", replace=False, start_timeout=120)
+    try:
+        assert pool.launcher == "mpi" and pool._engine_ids == [0, 1]
+        res = pool.execute("import torch, torch.distributed as dist\n"
+                           "t = torch.ones(1) * (dist.get_rank() + 1)\ndist.all_reduce(t)\n"
+                           "print(t.item(), mpi_rank, mpi_size)")
+        assert res.text() == "[rank 0] 3.0 0 2\n[rank 1] 3.0 1 2"
+        if os.geteuid() == 0:
+            assert pool.run(lambda: __import__("os").environ.get("OMPI_ALLOW_RUN_AS_ROOT")) \
+                == ["1", "1"]
+        old = [e["pid"] for e in pool.engines]
+        pool.restart()  # MPI engines ask for their rank as id again: ids 0, 1 come back
+        assert pool._engine_ids == [0, 1]
+        assert not set(old) & {e["pid"] for e in pool.engines}
+        assert pool.run(lambda: __import__("torch.distributed").distributed.get_rank()) == [0, 1]
+    finally:
+        pool.shutdown()
+
+
+def test_mpi_without_mpiexec_names_the_fix(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty PATH: no mpiexec, no sbatch
+    before = _children()
+    with pytest.raises(ValueError, match=r"launcher='mpi' needs `mpiexec`.*apt-get install "
+                                         r"openmpi-bin.*pip install mpi4py"):
+        nbpar.Pool(2, launcher="mpi")
+    assert _children() <= before
+
+
+def test_mpi_without_mpi4py_names_the_fix(monkeypatch, tmp_path):
+    fake = tmp_path / "mpiexec"
+    fake.write_text("#!/bin/sh\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    real = launchers.find_spec
+    monkeypatch.setattr(launchers, "find_spec",
+                        lambda name: None if name == "mpi4py" else real(name))
+    with pytest.raises(ValueError, match=r"needs mpi4py.*-m pip install mpi4py"):
+        nbpar.Pool(2, launcher="mpi")
+
+
+@pytest.mark.parametrize("launcher, tool, fix", [
+    ("slurm", "sbatch", "Slurm cluster.*Pool.connect"),
+    ("ssh", "ssh", "ssh client"),
+    ("pbs", "qsub", "PBS"),
+])
+def test_batch_launcher_outside_its_cluster_fails_before_starting(monkeypatch, tmp_path,
+                                                                  launcher, tool, fix):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    before = _children()
+    with pytest.raises(ValueError, match=rf"launcher='{launcher}' needs `{tool}`.*{fix}"):
+        nbpar.Pool(16, launcher=launcher)
+    assert _children() <= before
+
+
+def test_launcher_options_reach_ipyparallel():
+    """Slurm options in config= survive, and the batch script runs nbpar's engine."""
+    import ipyparallel as ipp
+    from traitlets.config import Config
+
+    cfg = Config()
+    cfg.SlurmLauncher.account = "proj42"
+    cfg.SlurmEngineSetLauncher.batch_template = (
+        "#!/bin/sh\n#SBATCH --account={account}\n#SBATCH --ntasks={n}\n"
+        "srun {program_and_args}\n")
+    cluster = ipp.Cluster(n=16, engines="slurm", config=cfg, log_level=40)
+    launchers.configure(cluster, "slurm", 16, {"NCCL_IB_DISABLE": "1"})
+    es = cluster.engine_launcher_class(parent=cluster, profile_dir=str(ROOT / ".tmp"),
+                                       cluster_id="t", n=16)
+    es.n = 16
+    es.write_batch_script(16)
+    script = pathlib.Path(es.batch_file).read_text()
+    os.unlink(es.batch_file)
+    assert "--account=proj42" in script and "--ntasks=16" in script
+    assert f"{sys.executable} -m nbpar._engine" in script
+    assert es.get_env()["NCCL_IB_DISABLE"] == "1"
+
+
+def test_mpi_launch_settings_are_configurable():
+    import ipyparallel as ipp
+
+    cluster = ipp.Cluster(n=4, engines="mpi", log_level=40)
+    launchers.configure(cluster, "mpi", 4, {"NCCL_DEBUG": "INFO"})
+    env = cluster.config.EngineLauncher.environment
+    assert env["NCCL_DEBUG"] == "INFO"
+    assert (env.get("OMPI_ALLOW_RUN_AS_ROOT") == "1") == (os.geteuid() == 0)
+    from traitlets.config import Config
+
+    mine = ipp.Cluster(n=4, engines="mpi", log_level=40,
+                       config=Config({"MPIEngineSetLauncher": {"mpi_args": ["--hostfile", "h"]}}))
+    launchers.configure(mine, "mpi", 4, {})
+    assert mine.config.MPIEngineSetLauncher.mpi_args == ["--hostfile", "h"]
+
+
+def test_more_gpu_engines_than_gpus_is_an_error():
+    n = device.accelerator_count() + 1
+    before = _children()
+    with pytest.raises(ValueError, match=rf"{n} GPU engines asked for but this machine has "
+                                         rf"{n - 1} GPU\(s\): use Pool\({n - 1}\) or "
+                                         r"backend='gloo'"):
+        nbpar.Pool(n, backend="nccl")
+    assert _children() <= before
+
+
+@pytest.mark.timeout(180)
+def test_env_reaches_engines_status_and_html():
+    with nbpar.Pool(2, env=NCCL_ENV, replace=False) as pool:
+        seen = pool.run(lambda keys: {k: __import__("os").environ.get(k) for k in keys},
+                        list(NCCL_ENV))
+        assert seen == [NCCL_ENV, NCCL_ENV]
+        assert [r["env"] for r in pool.status()] == [NCCL_ENV, NCCL_ENV]
+        html = pool._repr_html_()
+        assert all(f"{k}={v}" in html for k, v in NCCL_ENV.items())
+        pool.restart()  # fresh engines get the same environment
+        assert pool.run(lambda: __import__("os").environ.get("NCCL_P2P_DISABLE")) == ["1", "1"]
+
+
+def test_peak_flops_table():
+    assert device.peak_flops_hint("NVIDIA H200") == 989e12
+    assert device.peak_flops_hint("NVIDIA H100 80GB HBM3") == 989e12
+    assert device.peak_flops_hint("NVIDIA A100-SXM4-80GB") == 312e12
+    assert device.peak_flops_hint("Some Future GPU") is None
+
+
+def _gpu_check(*args, timeout=150):
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_gpu_check_help():
+    out = _gpu_check("--help", timeout=60)
+    assert out.returncode == 0 and "--peak-tflops" in out.stdout and "--dry-run" in out.stdout
+
+
+@pytest.mark.timeout(180)
+def test_gpu_check_dry_run_prints_one_json_object_on_cpu():
+    out = _gpu_check("--dry-run", "--strategies", "single,ddp")
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert res["dry_run"] and res["device"] == "cpu" and res["peak_tflops"] is None
+    assert [r["strategy"] for r in res["runs"]] == ["single", "ddp"]
+    params = res["model"]["params"]
+    assert res["flops_per_token"] == 6 * params + 12 * 2 * 32 * 32
+    for run in res["runs"]:
+        assert run["mfu"] is None and run["tokens_per_s"] > 0 and len(run["losses"]) == 2
+    # world size 1: ddp is the single-process computation
+    assert res["runs"][0]["losses"] == pytest.approx(res["runs"][1]["losses"], rel=1e-5)
+    assert "duplicate GPU" in res["shared_gpu"]["skipped"]
