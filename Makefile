@@ -18,13 +18,14 @@ export PYTHONDONTWRITEBYTECODE := 1
 
 setup: $(VENV)/.done
 
-$(VENV)/.done: pyproject.toml scripts/install_torch.sh
+$(VENV)/.done: pyproject.toml scripts/install_torch.sh scripts/install_mpi.sh
 	@mkdir -p .tmp
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	TORCH_VERSION=$(TORCH_VERSION) sh scripts/install_torch.sh $(PY)
 	$(PY) -m pip install -q -e ".[test,lab,monitor]"
 	$(PY) -m pip install -q --no-build-isolation "deepspeed==$(DEEPSPEED_VERSION)"
+	sh scripts/install_mpi.sh $(PY)
 	$(PY) -c "import torch, deepspeed, ipyparallel, nbpar; print('nbpar ready: torch', torch.__version__)"
 	@touch $@
 
