@@ -14,11 +14,11 @@ export TMPDIR := $(CURDIR)/.tmp
 export MPLBACKEND := Agg
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: setup test test-unit test-notebooks demo lab bench clean
+.PHONY: setup test test-unit test-notebooks test-browser demo lab bench clean
 
 setup: $(VENV)/.done
 
-$(VENV)/.done: pyproject.toml scripts/install_torch.sh scripts/install_mpi.sh
+$(VENV)/.done: pyproject.toml scripts/install_torch.sh scripts/install_mpi.sh scripts/install_browser.sh
 	@mkdir -p .tmp
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -26,14 +26,19 @@ $(VENV)/.done: pyproject.toml scripts/install_torch.sh scripts/install_mpi.sh
 	$(PY) -m pip install -q -e ".[test,lab,monitor]"
 	$(PY) -m pip install -q --no-build-isolation "deepspeed==$(DEEPSPEED_VERSION)"
 	sh scripts/install_mpi.sh $(PY)
+	sh scripts/install_browser.sh $(PY)
 	$(PY) -c "import torch, deepspeed, ipyparallel, nbpar; print('nbpar ready: torch', torch.__version__)"
 	@touch $@
 
-test: setup test-unit test-notebooks
+test: setup test-unit test-notebooks test-browser
 
 test-unit: setup
 	@mkdir -p .tmp
-	$(PY) -m pytest -q -p no:randomly --timeout 600 tests
+	$(PY) -m pytest -q -p no:randomly --timeout 600 -m "not browser" tests
+
+test-browser: setup
+	@mkdir -p .tmp artifacts/browser
+	$(PY) -m pytest -q -p no:randomly --timeout 900 -m browser tests/browser
 
 test-notebooks: setup
 	@mkdir -p .tmp

@@ -69,6 +69,7 @@ class MemoryPanel:
         ax.legend(fontsize="small", loc="upper center", ncols=4)
 
     def set(self, groups) -> None:
+        top = 0.0
         for i, rank in enumerate(self.ranks):
             recs = groups.get(rank)
             parts = memory_parts(recs[-1]) if recs else dict.fromkeys(MEMORY_COLORS, 0)
@@ -81,8 +82,10 @@ class MemoryPanel:
             states = parts["params"] + parts["grads"] + parts["optimizer"]
             self.texts[i].set_position((i, bottom))
             self.texts[i].set_text(f"states {fmt_bytes(states)}" if recs else "")
-        _rescale(self.ax)
-        self.ax.set_ylim(0, max(self.ax.get_ylim()[1], 1.0) * 1.3)  # room for the legend
+            top = max(top, bottom)
+        # from the data, not get_ylim(): set_ylim turns autoscaling off, so reading the
+        # old limit back would only ever grow it and push the labels off the axes
+        self.ax.set_ylim(0, max(top, 1.0) * 1.3)  # room for the legend
 
 
 class SplitPanel:

@@ -111,6 +111,28 @@ class Run:
                 "comm_fraction": statistics.mean(comm) if comm else 0.0,
                 "bubble_fraction": max(bubbles) if bubbles else None}
 
+    def estimate(self):
+        """The analytic memory estimate for this run's model, strategy and degrees."""
+        from nbpar.memory import estimate_memory
+        from nbpar.models import build_model
+
+        cfg = self.cfg
+        world = len(self.ranks)
+        dims = cfg.dims(world)
+        n_params = sum(p.numel() for p in build_model(cfg).parameters())
+        strategy = cfg.strategy
+        if strategy in ("ddp", "zero1", "zero2", "zero3") and dims.tp > 1:
+            strategy = "hybrid" if strategy == "ddp" else strategy
+        return estimate_memory(n_params, world, strategy, dp=dims.dp, tp=dims.tp, pp=dims.pp,
+                               optimizer=cfg.optimizer,
+                               precision="fp32" if cfg.precision == "fp32" else "mixed",
+                               offload=cfg.offload)
+
+    def memory_vs_estimate(self) -> dict:
+        """Per rank: measured param/grad/optimizer bytes next to the estimate."""
+        est = self.estimate()
+        return {row["rank"]: est.compare(row) for row in self.result()["ranks"]}
+
     def per_rank(self) -> dict:
         self.wait()
         return {r: ar.get() for r, ar in self._ars.items()}

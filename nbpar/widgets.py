@@ -6,6 +6,8 @@ import html
 
 from nbpar import config as C
 
+_DEGREES = ("dp", "tp", "pp")
+
 _INT_FIELDS = {"micro_batch": ("micro-batch", 8, 4096), "grad_accum": ("grad accum", 1, 4096),
                "steps": ("steps", 20, 10 ** 7)}
 
@@ -20,11 +22,15 @@ class StrategyPicker:
         self.run = self.dashboard = None
         cfg = C.TrainConfig(**defaults)
         n = pool.n
-        degrees = [("auto", None)] + [(str(i), i) for i in range(1, n + 1)]
+        # 0 means auto: ipywidgets shows a None value as an empty selection
+        degrees = [("auto", 0)] + [(str(i), i) for i in range(1, n + 1)]
         style = {"description_width": "90px"}
 
         def pick(name, options):
-            return w.Dropdown(options=options, value=getattr(cfg, name), description=name,
+            value = getattr(cfg, name)
+            if name in _DEGREES:
+                value = value or 0
+            return w.Dropdown(options=options, value=value, description=name,
                               style=style, layout=w.Layout(width="230px"))
 
         self.fields = {"model": pick("model", C.MODELS),
@@ -61,7 +67,8 @@ class StrategyPicker:
 
     def config(self) -> C.TrainConfig:
         """The TrainConfig the widgets describe now (not validated)."""
-        values = {k: widget.value for k, widget in self.fields.items()}
+        values = {k: (widget.value or None) if k in _DEGREES else widget.value
+                  for k, widget in self.fields.items()}
         return C.TrainConfig.from_dict({**self._base.to_dict(), **values})
 
     def check(self) -> str | None:
