@@ -1,0 +1,104 @@
+"""The bad-input table: each bad input gets one clear error before any engine works."""
+from __future__ import annotations
+
+import json
+import socket
+
+import psutil
+import pytest
+
+import nbpar
+from nbpar.config import GPTConfig, TrainConfig
+
+
+def _children():
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+POOL_CASES = [
+    (dict(n=0), ValueError, "at least 1"),
+    (dict(n=-1), ValueError, "at least 1"),
+    (dict(n=True), ValueError, "positive integer"),
+    (dict(n=2, launcher="carrier-pigeon"), ValueError, "unknown launcher"),
+    (dict(n=2, backend="nccl"), ValueError, "GPU"),
+    (dict(n=2, backend="ucc"), ValueError, "backend must be one of"),
+    (dict(n=2, timeout=-5), ValueError, "timeout must be positive"),
+    (dict(n=2, port=70000), ValueError, "port must be an integer in 1..65535"),
+]
+
+
+@pytest.mark.parametrize("kwargs, exc, match", POOL_CASES)
+def test_pool_bad_inputs_start_nothing(kwargs, exc, match):
+    before = _children()
+    n = kwargs.pop("n")
+    with pytest.raises(exc, match=match):
+        nbpar.Pool(n, **kwargs)
+    assert _children() <= before
+
+
+def test_pool_busy_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        with pytest.raises(ValueError, match="already in use"):
+            nbpar.Pool(2, port=s.getsockname()[1])
+
+
+CONFIG_CASES = [
+    (dict(strategy="zero4"), "strategy"),
+    (dict(backend="jax"), "backend"),
+    (dict(micro_batch=0), "micro_batch"),
+    (dict(steps=0), "steps"),
+    (dict(grad_accum=-2), "grad_accum"),
+    (dict(lr=0.0), "lr"),
+    (dict(precision="fp8"), "precision"),
+    (dict(strategy="ddp", schedule="gpipe"), "schedule"),
+    (dict(strategy="zero2", offload="optimizer"), "deepspeed"),
+    (dict(strategy="pipeline", backend="deepspeed", deepspeed_config={
+        "zero_optimization": {"stage": 3}}), "stage 0/1"),
+    (dict(strategy="hybrid", dp=2, tp=2), r"dp\*tp\*pp"),
+    (dict(strategy="tp", gpt=GPTConfig(n_heads=3, d_model=33)), "tp=2 must divide"),
+    (dict(strategy="pipeline", gpt=GPTConfig(n_layers=1)), "need at least 2 layers"),
+    (dict(strategy="pipeline", model="simple_cnn"), "tiny_gpt"),
+    (dict(backend="deepspeed", strategy="zero3", deepspeed_config={"zero_optimisation": {}}),
+     "did you mean 'zero_optimization'"),
+    (dict(backend="deepspeed", strategy="zero3", deepspeed_config={
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "floppy"}}}), "floppy"),
+]
+
+
+@pytest.mark.parametrize("kwargs, match", CONFIG_CASES)
+def test_train_config_bad_inputs(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**kwargs).validate(2)
+
+
+def test_deepspeed_config_file_with_bad_json_names_the_file(tmp_path):
+    path = tmp_path / "ds_config.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": 8,\n  "zero_optimization": {stage: 3}}')
+    with pytest.raises(ValueError, match="ds_config.json"):
+        TrainConfig(backend="deepspeed", strategy="zero3",
+                    deepspeed_config=str(path)).validate(2)
+
+
+def test_classic_ds_config_is_accepted_as_written(tmp_path):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "fp16": {"enabled": True},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}))
+    TrainConfig(backend="deepspeed", strategy="zero3", precision="fp16", offload="optimizer",
+                micro_batch=8, deepspeed_config=str(path)).validate(2)
+
+
+def test_pool_train_refuses_bad_config_without_engine_work():
+    class NoEngines:
+        n = 2
+
+        def _check_open(self):
+            pass
+
+    from nbpar.run import start_run
+
+    with pytest.raises(ValueError, match="micro_batch"):
+        start_run(NoEngines(), TrainConfig(micro_batch=-1))
