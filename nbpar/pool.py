@@ -163,6 +163,8 @@ class Pool:
         self.cluster = cluster = ipp.Cluster(**kwargs)
         launchers.configure(cluster, self.launcher, self.n, self.env)
         cluster.start_cluster_sync()
+        if cluster.cluster_file and os.path.exists(cluster.cluster_file):
+            os.chmod(cluster.cluster_file, 0o600)  # connection details: the owner's only
         self.client = cluster.connect_client_sync()
         # no progress bar: notebook outputs must stay stable
         self.client.wait_for_engines(self.n, timeout=self.start_timeout, interactive=False)

@@ -48,11 +48,22 @@ def open_store(peer_host: str, port: int, timeout_s: float) -> tuple[str, int]:
 
     leave()
     addr = routable_address(peer_host)
+    # listen on that one address only (TCPStore alone would listen on all interfaces)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        store = dist.TCPStore(addr, port, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=timeout_s))
-    except Exception as err:  # RuntimeError/DistNetworkError: port in use
+        sock.bind((addr, port))
+        sock.listen(1024)
+    except OSError as err:
+        sock.close()
         raise OSError(f"cannot listen on {addr}:{port} for the rendezvous: {err}") from None
+    try:
+        store = dist.TCPStore(addr, sock.getsockname()[1], is_master=True,
+                              wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
+                              master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store's server owns the descriptor now and closes it
     _state["store"] = store
     return addr, store.port
 

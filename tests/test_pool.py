@@ -99,7 +99,7 @@ def test_bad_launcher_backend_and_port():
 
 
 def test_replace_restart_shutdown_and_context_manager():
-    with nbpar.Pool(1) as first:
+    with nbpar.Pool(1, replace=False) as first:
         first_pids = [e["pid"] for e in first.engines]
         second = nbpar.Pool(1)  # re-running the cell that makes the pool
         assert first.closed and not second.closed
@@ -134,3 +134,21 @@ def test_connect_attaches_to_a_running_cluster():
                               cluster_id=cluster.cluster_id).ids) == 2
     finally:
         cluster.stop_cluster_sync()
+
+
+def test_listens_on_loopback_only_and_connection_files_are_private(pool):
+    import glob
+    import stat
+
+    procs = [psutil.Process(pool.cluster.controller.process.pid)]
+    procs += procs[0].children(recursive=True)
+    procs += [psutil.Process(e["pid"]) for e in pool.engines]
+    listening = {(p.pid, c.laddr.ip) for p in procs for c in p.net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN}
+    assert listening and {ip for _, ip in listening} == {"127.0.0.1"}, listening
+    files = glob.glob(os.path.join(pool.cluster.profile_dir, "security",
+                                   f"*{pool.cluster.cluster_id}*.json"))
+    assert pool.cluster.cluster_file in files and len(files) >= 3
+    for path in files:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+        assert mode & 0o077 == 0, f"{path} is readable by others ({oct(mode)})"
