@@ -117,6 +117,10 @@ class TrainConfig:
     """where checkpoints are written"""
     checkpoint_every: int = 0
     """save every N steps; 0 = never"""
+    checkpoint_keep: int = 2
+    """how many of the newest checkpoints to keep in checkpoint_dir"""
+    resume_from: str | None = None
+    """a checkpoint folder (step_*) or a checkpoint_dir (its latest) to continue from"""
 
     # ---- derived values -------------------------------------------------
     def dataset_name(self) -> str:
@@ -188,6 +192,10 @@ class TrainConfig:
                              f"got {self.checkpoint_every!r}")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ValueError("checkpoint_every > 0 needs checkpoint_dir")
+        if isinstance(self.checkpoint_keep, bool) or not isinstance(self.checkpoint_keep, int) \
+                or self.checkpoint_keep < 1:
+            raise ValueError(f"checkpoint_keep must be a positive integer, "
+                             f"got {self.checkpoint_keep!r}")
         self.gpt.validate()
         if self.model == "tiny_gpt" and self.gpt.vocab_size < 256:
             raise ValueError(f"gpt.vocab_size={self.gpt.vocab_size} is too small for byte-level "
@@ -196,6 +204,9 @@ class TrainConfig:
         self._validate_degrees(world_size)
         if self.deepspeed_config is not None:
             self._validate_ds_config()
+        if self.resume_from is not None:  # missing/corrupt/other model: before engines work
+            from nbpar.checkpoint_meta import check_resume
+            check_resume(self, world_size)
         return self
 
     def _validate_strategy(self) -> None:

@@ -5,7 +5,9 @@ torch.distributed process group (an engine, a `%%dist` cell, a test worker)
 or none at all (strategy single). It builds the topology, the model, the
 strategy's StepRunner and this rank's data shard, runs ``cfg.steps`` optimizer
 steps of ``cfg.grad_accum`` micro-batches each, and reports per-step loss,
-memory and the compute/communication split.
+memory and the compute/communication split. ``checkpoint_every`` saves
+through `nbpar.checkpoint`; ``resume_from`` continues at the saved step and
+data position (epoch + batches consumed), so the loss curve goes on unchanged.
 
 Step loss convention: a runner's ``train_step`` returns this rank's mean loss
 over its micro-batches; with pipelining only the last stage's value must be
@@ -21,7 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from nbpar import device
+from nbpar import checkpoint, device
 from nbpar.config import TrainConfig
 from nbpar.data import build_loader
 from nbpar.metrics import CommTimer, memory_snapshot
@@ -34,18 +36,30 @@ class _Batches:
     """Endless micro-batches of one rank; a new epoch re-shuffles via set_epoch."""
 
     def __init__(self, loader, dev):
-        self.loader, self.dev, self.epoch = loader, dev, 0
+        self.loader, self.dev, self.epoch, self.taken = loader, dev, 0, 0
         self._it = iter(loader)
 
     def next(self):
         try:
             x, y = next(self._it)
         except StopIteration:
-            self.epoch += 1
-            self.loader.sampler.set_epoch(self.epoch)
-            self._it = iter(self.loader)
+            self.seek(self.epoch + 1, 0)
             x, y = next(self._it)
+        self.taken += 1
         return x.to(self.dev), y.to(self.dev)
+
+    def position(self) -> dict:
+        """Where a checkpoint must continue: the epoch and batches taken from it."""
+        return {"epoch": self.epoch, "batches_in_epoch": self.taken}
+
+    def seek(self, epoch: int, taken: int) -> None:
+        """Continue at batch ``taken`` of ``epoch`` (same order: seed + epoch)."""
+        self.epoch, self.taken = epoch, 0
+        self.loader.sampler.set_epoch(epoch)
+        self._it = iter(self.loader)
+        for _ in range(taken):
+            next(self._it)
+            self.taken += 1
 
 
 def _global_loss(loss, mesh, dims, dev, timer: CommTimer) -> float:
@@ -114,8 +128,11 @@ def run_training(cfg: TrainConfig | dict, *, publish=None, should_stop=None,
         model = build_model(cfg).to(dev)
         runner = build_runner(model, cfg, mesh)
         loader = build_loader(cfg, dims.coords(rank)["dp"], dims.dp, epoch=0)
-        result = _loop(cfg, runner, _Batches(loader, dev), mesh, dims, rank, world, dev,
-                       pg_backend, publish, should_stop)
+        batches = _Batches(loader, dev)
+        start = 0 if cfg.resume_from is None else checkpoint.resume(
+            cfg, runner, batches, rank=rank, world=world, distributed=on)
+        result = _loop(cfg, runner, batches, mesh, dims, rank, world, dev,
+                       pg_backend, publish, should_stop, start=start, distributed=on)
         if on_finish is not None:
             on_finish(runner)
         return result
@@ -126,13 +143,13 @@ def run_training(cfg: TrainConfig | dict, *, publish=None, should_stop=None,
 
 
 def _loop(cfg, runner, batches, mesh, dims, rank, world, dev, pg_backend, publish,
-          should_stop) -> dict:
+          should_stop, start=0, distributed=False) -> dict:
     timer = getattr(runner, "comm_timer", None) or CommTimer()
     global_batch = cfg.global_batch(world)
     tokens = cfg.gpt.seq_len if cfg.model == "tiny_gpt" else None
     device.reset_peak(pg_backend)
     history = []
-    for step in range(cfg.steps):
+    for step in range(start, cfg.steps):
         if should_stop is not None and _agree_to_stop(should_stop, dev, world):
             break
         micro_batches = [batches.next() for _ in range(cfg.grad_accum)]
@@ -150,6 +167,9 @@ def _loop(cfg, runner, batches, mesh, dims, rank, world, dev, pg_backend, publis
         history.append(record)
         if publish is not None:
             publish(dict(record))
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+            checkpoint.save(cfg, runner, step + 1, batches.position(), rank=rank, world=world,
+                            dims=dims, distributed=distributed)
     total_step = sum(r["step_time_s"] for r in history)
     total_comm = sum(r["comm_s"] for r in history)
     last = history[-1] if history else {**runner.memory(), **memory_snapshot(pg_backend)}
