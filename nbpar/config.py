@@ -204,6 +204,12 @@ class TrainConfig:
         self._validate_degrees(world_size)
         if self.deepspeed_config is not None:
             self._validate_ds_config()
+            if world_size is not None and self.strategy in ("ddp", "zero1", "zero2", "zero3"):
+                # a ds_config that disagrees with this config (micro batch, stage,
+                # precision, ...) is refused here, before any engine starts
+                from nbpar.ds_config import ds_config_for
+
+                ds_config_for(self, self.dims(world_size).dp)
         if self.resume_from is not None:  # missing/corrupt/other model: before engines work
             from nbpar.checkpoint_meta import check_resume
             check_resume(self, world_size)
