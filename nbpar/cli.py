@@ -62,6 +62,9 @@ def build_parser() -> _Parser:
     t.add_argument("--offload", choices=("none", "optimizer", "params"), default="none")
     t.add_argument("--deepspeed-config", default=None, help="path to a ds_config.json")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--checkpoint-dir", default=None)
+    t.add_argument("--checkpoint-every", type=_positive_int, default=None)
+    t.add_argument("--resume-from", default=None, help="a checkpoint dir or one step_* folder")
     t.add_argument("--json", action="store_true")
 
     e = sub.add_parser("estimate", help="analytic per-rank memory of a model")
@@ -104,10 +107,13 @@ def train_config(args):
                       steps=args.steps, lr=args.lr, precision=args.precision,
                       offload=args.offload, seed=args.seed,
                       deepspeed_config=args.deepspeed_config,
+                      checkpoint_dir=args.checkpoint_dir,
+                      checkpoint_every=args.checkpoint_every or 0,
+                      resume_from=args.resume_from,
                       **({"schedule": args.schedule} if args.schedule else {}))
     try:
         cfg.validate(engines)
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, FileNotFoundError) as err:
         raise UsageError(str(err)) from None
     return cfg, engines
 

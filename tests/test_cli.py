@@ -23,6 +23,8 @@ def nbpar(*args, timeout=300):
     (["estimate", "--params", "1e9"], "--world-size"),
     (["bench", "launch", "--engines", "x"], "--engines"),
     (["frobnicate"], "invalid choice"),
+    (["train", "--resume-from", "/nonexistent/ckpt"], "/nonexistent/ckpt"),
+    (["train", "--strategy", "hybrid", "--dp", "2", "--tp", "2", "--engines", "2"], "dp*tp*pp"),
 ])
 def test_bad_arguments_exit_2_with_one_line(args, needle):
     out = nbpar(*args, "--json")
