@@ -8,6 +8,7 @@ most every ``min_interval_s``; the figure is a plain `matplotlib.figure.Figure`
 from __future__ import annotations
 
 import io
+import os
 import statistics
 import threading
 import time
@@ -39,6 +40,9 @@ def seconds_per_step(history: list[dict], window: int = 10) -> float | None:
             rates.append(statistics.fmean(r.get("step_time_s") or 0.0 for r in recent))
     return max(rates) if rates else None
 
+
+#: Largest share of wall time spent drawing the figure while following a run.
+RENDER_BUDGET = 0.03
 
 class Dashboard:
     """Live figure of one `Run`; ``update()`` redraws from the current history."""
@@ -105,9 +109,10 @@ class Dashboard:
         info = self.progress(history, done)
         self.text = info["text"]
         self._show_progress(info, done)
-        # never spend more than ~1/5 of the time rendering, however fast the steps come
+        # rendering shares the cores with the engines: spend at most RENDER_BUDGET of
+        # the wall time on it, however fast the steps come
         due = time.monotonic() - self._rendered_at >= max(self.min_interval_s,
-                                                          4 * self._render_s)
+                                                          self._render_s / RENDER_BUDGET)
         if (self._widget is not None or self._handle is not None) and \
                 (force or (self._stale and (due or done))):
             self._render()
@@ -197,6 +202,10 @@ class Dashboard:
         return self
 
     def _follow_quietly(self, poll_s: float) -> None:
+        try:  # lowest CPU priority for this thread: training on the engines comes first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
         try:
             self.follow(poll_s)
         except Exception as err:  # shown in the label: a thread has nowhere to raise to
