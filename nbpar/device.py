@@ -6,13 +6,25 @@ torch.distributed backend fits it, so the same notebook runs on a laptop CPU
 """
 from __future__ import annotations
 
+import glob
 import os
+import sys
 
 BACKENDS = ("gloo", "nccl")
 
 
 def accelerator_count() -> int:
-    """Number of visible GPUs on this host (0 without a CUDA build or driver)."""
+    """Number of visible GPUs on this host (0 without a CUDA build or driver).
+
+    Answers without importing torch (1-2 s) when the host has no NVIDIA driver,
+    so starting a CPU pool does not wait for it.
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return 0
+    if sys.platform.startswith("linux") and not os.path.isdir("/proc/driver/nvidia") \
+            and not glob.glob("/dev/nvidia[0-9]*"):
+        return 0  # Linux without an NVIDIA driver or device
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -16,6 +16,8 @@ from nbpar.errors import DistTimeout, EngineDied, PoolError, RankError
 GRACE_S = 2.0
 #: Seconds to wait for a finished cell's output messages to arrive.
 OUTPUT_WAIT_S = 5.0
+#: A cell's live plot of nbpar.log records is first polled after this many seconds.
+POLL_AFTER_S = 0.3
 
 
 class DistResult:
@@ -58,6 +60,12 @@ class DistResult:
         return self.text() or f"<DistResult ranks={self.ranks} (no output)>"
 
 
+def _metadata(ar) -> dict:
+    """One engine's metadata (an AsyncResult over a one-engine list view gives a list)."""
+    md = ar.metadata
+    return md[0] if isinstance(md, list) else md
+
+
 def _failure(ar):
     """(ename, evalue, traceback lines) of a finished, failed AsyncResult."""
     try:
@@ -75,6 +83,7 @@ def wait_all(pool, ars: dict, timeout: float | None, *, interruptible: bool = Tr
     """Wait for ``ars`` (rank -> AsyncResult); raise one clear error if it fails."""
     start = time.monotonic()
     first_failure = None
+    quiet_until = start + POLL_AFTER_S  # short cells never pay for on_poll
     try:
         while True:
             pending = [r for r, ar in ars.items() if not ar.ready()]
@@ -95,7 +104,7 @@ def wait_all(pool, ars: dict, timeout: float | None, *, interruptible: bool = Tr
                     + "; a rank waiting in a collective stays blocked until the process-"
                     "group timeout: run `%dist restart` (or pool.restart()) to continue now",
                     pending)
-            if on_poll is not None:
+            if on_poll is not None and time.monotonic() > quiet_until:
                 on_poll()
             ars[pending[0]].wait(0.1)
     except KeyboardInterrupt:
@@ -151,8 +160,9 @@ def run_cell(pool, code: str, ranks, timeout: float | None) -> DistResult:
     dead = [r for r in pool.dead_ranks() if r in ranks]
     if dead:
         raise EngineDied(f"the engine of rank(s) {dead} is dead: run `%dist restart`", dead)
-    ars = {r: pool.client[pool.engine_id(r)].execute(code, block=False, silent=False)
-           for r in ranks}
+    # one request to all target engines (as %px does), one AsyncResult per rank
+    ar = pool.view(ranks).execute(code, block=False, silent=False)
+    ars = dict(zip(ranks, ar.split()))
     pool._inflight = {**inflight, **ars}
     from nbpar.userlog import LogPlot
 
@@ -162,9 +172,9 @@ def run_cell(pool, code: str, ranks, timeout: float | None) -> DistResult:
     except RankError:
         done = [r for r in ranks if ars[r].ready() and ars[r].wait_for_output(OUTPUT_WAIT_S)]
         plot.finish()
-        DistResult(done, [ars[r].metadata for r in done]).render()
+        DistResult(done, [_metadata(ars[r]) for r in done]).render()
         raise
     for r in ranks:  # the reply can arrive before the last output message
         ars[r].wait_for_output(OUTPUT_WAIT_S)
     plot.finish()
-    return DistResult(ranks, [ars[r].metadata for r in ranks])
+    return DistResult(ranks, [_metadata(ars[r]) for r in ranks])

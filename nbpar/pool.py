@@ -298,6 +298,15 @@ class Pool:
         wait_all(self, ars, self.timeout if timeout is None else timeout)
         return [ars[r].get() for r in ranks]
 
+    def view(self, ranks):
+        """A DirectView on the engines of ``ranks`` (cached: views cost a round of setup)."""
+        key = (tuple(self._engine_ids), tuple(ranks))
+        views = self.__dict__.setdefault("_views", {})
+        if key not in views:
+            views.clear() if len(views) > 64 else None
+            views[key] = self.client.direct_view([self._engine_ids[r] for r in ranks])
+        return views[key]
+
     def dead_ranks(self) -> list[int]:
         alive = set(self.client.ids)
         return [r for r, eid in enumerate(self._engine_ids) if eid not in alive]
