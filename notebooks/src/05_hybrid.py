@@ -1,0 +1,138 @@
+# %% [markdown]
+# # 05 · Hybrid parallelism: data x tensor x pipeline on one device mesh
+#
+# Large runs combine all three: tensor parallelism inside a node (it communicates in
+# every layer and needs the fastest links), pipeline stages across nodes (only
+# activations at stage boundaries cross the network), and data parallelism (with ZeRO)
+# over whatever is left. A **device mesh** names each rank's place in that grid.
+
+# %%
+%matplotlib inline
+import nbpar
+import nbpar.plots
+from matplotlib.figure import Figure
+%load_ext nbpar
+
+# %% [markdown]
+# ## The mesh
+#
+# `ParallelDims(dp, tp, pp, world_size)` checks that the degrees multiply to the world
+# size and lays ranks out with tp fastest and pp slowest
+# (`rank = (pp_i * dp + dp_j) * tp + tp_k`), so a tensor-parallel group is made of
+# neighbouring ranks: on GPUs, the same node. For 8 ranks as 2 x 2 x 2:
+
+# %%
+dims = nbpar.ParallelDims(dp=2, tp=2, pp=2, world_size=8)
+for rank in range(dims.world_size):
+    print(f"rank {rank}: {dims.coords(rank)}")
+
+# %%
+try:
+    nbpar.ParallelDims(dp=2, tp=2, pp=2, world_size=6)
+except ValueError as err:
+    print("ValueError:", err)
+
+# %% [markdown]
+# ## A real mesh on 4 engines
+#
+# Four engines on this 2-core machine are fine for a tiny model. `build_mesh` creates
+# the `DeviceMesh` with dims `("pp", "dp", "tp")`; each named slice is a process group.
+# With dp = 2 and tp = 2: who talks to whom?
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+pool = nbpar.Pool(4)
+pool
+
+# %%
+%%dist
+import torch.distributed as dist
+from nbpar.parallel.mesh import ParallelDims
+
+dims = ParallelDims(dp=2, tp=2, world_size=dist.get_world_size())
+mesh = dims.build_mesh("cpu")
+ranks_of = lambda dim: dist.get_process_group_ranks(mesh[dim].get_group())
+print(dims.coords(dist.get_rank()), "| tp group", ranks_of("tp"), "| dp group", ranks_of("dp"))
+
+# %% [markdown]
+# Ranks 0 and 1 split the same layers (tp group), and ranks 0 and 2 hold the same
+# shard of the model and average their gradients (dp group).
+#
+# ## Which combination, when?
+#
+# Rules of thumb, with the estimator's per-GPU model-state bytes (mixed-precision Adam):
+#
+# * **Small experiments (up to a few billion parameters): DDP, plus ZeRO-1.** Sharding
+#   the optimizer states is almost free (the same all-reduce volume) and removes most of
+#   the memory.
+
+# %%
+for s in ("ddp", "zero1"):
+    print(nbpar.estimate_memory(1.3e9, 8, s, precision="mixed").table(), end="\n\n")
+
+# %% [markdown]
+# * **Tens of billions: TP inside the node, ZeRO-3 across nodes.** A 30B model on
+#   64 GPUs (8 nodes of 8): tensor parallel over the 8 GPUs of a node alone still needs
+#   60 GB per GPU; ZeRO-3 over the 8 data-parallel replicas brings it to 7.5 GB.
+
+# %%
+for s in ("ddp", "zero3"):
+    print(nbpar.estimate_memory(30e9, 64, s, tp=8, precision="mixed").table(), end="\n\n")
+
+# %% [markdown]
+# * **Hundreds of billions: add pipeline stages.** GPT-3-sized (175B, 96 layers, hidden
+#   12288) on 1024 GPUs. Memory alone would allow TP x ZeRO-3, but ZeRO-3 gathers every
+#   layer's parameters from all 128 data-parallel ranks in every forward and backward
+#   pass, across the network. With 16 pipeline stages each node only sends activations
+#   to its neighbour, and 8-way data parallelism with ZeRO-1 is cheap. The activations
+#   (sequence 2048, 1 sequence per micro-batch, 1F1B keeping up to 16 in flight on the
+#   first stage) now dominate:
+
+# %%
+activations = dict(batch=1, seq_len=2048, hidden=12288, layers=96, heads=96)
+print(nbpar.estimate_memory(175e9, 1024, "zero3", tp=8, precision="mixed",
+                            activations=activations).table(), end="\n\n")
+print(nbpar.estimate_memory(175e9, 1024, "zero1", tp=8, pp=16, precision="mixed",
+                            activations={**activations, "in_flight": 16}).table())
+
+# %%
+fig = Figure(figsize=(10, 3.2), layout="constrained")
+cases = [("1.3B, 8 GPUs\nZeRO-1", nbpar.estimate_memory(1.3e9, 8, "zero1", precision="mixed")),
+         ("30B, 64 GPUs\nTP8 x ZeRO-3", nbpar.estimate_memory(30e9, 64, "zero3", tp=8,
+                                                              precision="mixed")),
+         ("175B, 1024 GPUs\nTP8 x PP16 x ZeRO-1",
+          nbpar.estimate_memory(175e9, 1024, "zero1", tp=8, pp=16, precision="mixed",
+                                activations={**activations, "in_flight": 16}))]
+for ax, (title, est) in zip(fig.subplots(1, 3), cases):
+    est.plot(ax=ax)
+    ax.set_title(title, fontsize="medium")
+fig
+
+# %% [markdown]
+# ## A 4-engine hybrid run
+#
+# `strategy="hybrid"` takes explicit degrees. Two splits of the 4 engines, 2 pipeline
+# stages each, replicated twice (pp x dp) or tensor-parallel inside each stage
+# (pp x tp). Both use 4 micro-batches per step and a global batch of 32 sequences, so
+# they compute the same losses, and each rank only holds a part of the model:
+
+# %%
+common = dict(model="tiny_gpt", strategy="hybrid", steps=10, lr=3e-3, seed=0, grad_accum=4)
+run_ppdp = pool.train(nbpar.TrainConfig(pp=2, dp=2, micro_batch=4, **common)).wait()
+run_pptp = pool.train(nbpar.TrainConfig(pp=2, tp=2, micro_batch=8, **common)).wait()
+for name, run in (("pp2 x dp2", run_ppdp), ("pp2 x tp2", run_pptp)):
+    res = run.result()
+    print(f"{name}: losses {[round(x, 4) for x in res['losses'][::3]]}, params per rank "
+          f"{[r['param_bytes'] for r in res['ranks']]} B")
+
+# %%
+nbpar.plots.plot_losses([run_ppdp, run_pptp], labels=["pp2 x dp2", "pp2 x tp2"])
+
+# %% [markdown]
+# pp x dp: each rank holds one stage (half the layers, embeddings on the first stage,
+# head on the last). pp x tp: each stage is further split in two by its Megatron
+# matrices. In a real cluster the tp pairs would sit on one node, the pipeline stages
+# on different nodes.
+
+# %%
+pool.shutdown()

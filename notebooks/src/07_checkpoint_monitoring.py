@@ -1,0 +1,155 @@
+# %% [markdown]
+# # 07 · Checkpoints and monitoring: save, kill, resume, export
+#
+# Long runs die: a node fails, a job hits its time limit, someone presses stop. A
+# checkpoint keeps everything needed to continue *exactly*: model and optimizer state
+# (sharded the way the strategy shards them), each rank's random generator, and where
+# the data loader was. This notebook kills a rank mid-run, resumes, and checks the
+# resumed losses against a run that never stopped; then it exports one consolidated
+# state dict and TensorBoard logs.
+
+# %%
+%matplotlib inline
+import os
+import signal
+import tempfile
+import time
+
+import nbpar
+import nbpar.checkpoint
+import nbpar.export
+import nbpar.plots
+%load_ext nbpar
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+pool = nbpar.Pool(2)
+pool
+
+# %% [markdown]
+# ## Save every few steps
+#
+# `checkpoint_dir` and `checkpoint_every` turn on checkpointing. Every save is written
+# to a temporary folder by all ranks (through `torch.distributed.checkpoint`: each rank
+# writes its own shards), renamed when complete, and only then does the `latest`
+# pointer move, so a crash in the middle of a save never leaves a half checkpoint
+# behind. The newest `checkpoint_keep` (default 2) are kept.
+
+# %%
+workdir = tempfile.mkdtemp(prefix="nbpar-07-")
+ckpt = os.path.join(workdir, "checkpoints")
+cfg = nbpar.TrainConfig(model="tiny_gpt", strategy="ddp", micro_batch=8, steps=120,
+                        lr=3e-3, seed=0, checkpoint_dir=ckpt, checkpoint_every=10)
+run = pool.train(cfg)
+
+# %% [markdown]
+# ## Kill a rank mid-run
+#
+# Once the run is past step 25, rank 1's engine process gets `SIGKILL`: no clean-up, no
+# chance to save, like a crashed node. The run fails at once with `EngineDied`.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+# NBVAL_RAISES_EXCEPTION
+while not any(rec["step"] >= 25 for rec in run.history):
+    time.sleep(0.02)
+os.kill(pool.status()[1]["pid"], signal.SIGKILL)
+run.wait()
+
+# %% [markdown]
+# What survived is on disk: the newest checkpoints and the `latest` pointer. (Which
+# steps exactly depends on how far the run got before the kill.)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(sorted(os.listdir(ckpt)))
+meta = nbpar.checkpoint.read_meta(nbpar.checkpoint.resolve(ckpt))
+print({k: meta[k] for k in ("step", "world_size", "dims", "data", "global_batch")})
+
+# %% [markdown]
+# ## Resume
+#
+# `pool.restart()` replaces the engines (fresh processes, a new process group). Then the
+# same config with `resume_from=` the checkpoint folder continues at the saved step:
+# weights, Adam moments, RNG state and data position are restored.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+pool.restart()
+
+# %%
+resumed = pool.train(cfg, resume_from=ckpt, checkpoint_dir=None, checkpoint_every=0).wait()
+start = resumed.history[0]["step"]
+reference = pool.train(cfg, checkpoint_dir=None, checkpoint_every=0).wait()
+ref_losses, res_losses = reference.result()["losses"], resumed.result()["losses"]
+print("resumed run trains until step", resumed.history[-1]["step"])
+print("resumed losses equal the uninterrupted run's:", res_losses == ref_losses[start:])
+
+# %%
+ax = nbpar.plots.plot_losses(reference, labels=["uninterrupted"]).axes[0]
+ax.plot([r["step"] for r in resumed.history if r["rank"] == 1], res_losses, "o", ms=3,
+        color="tab:red", label="resumed after the kill")
+ax.axvline(start, ls=":", color="k")
+ax.legend(fontsize="small")
+ax.figure
+
+# %% [markdown]
+# Bit-for-bit equal: the resumed run sees the same batches in the same order and
+# applies the same updates. (A checkpoint written with one strategy can be loaded into
+# another layout too, e.g. DDP into FSDP2 shards: `torch.distributed.checkpoint`
+# stores tensors by name and reshards on load.)
+#
+# ## One consolidated state dict
+#
+# For inference or sharing, `nbpar.checkpoint.consolidate` merges the shards of a
+# checkpoint into one plain `{name: tensor}` file, loadable without nbpar's training
+# machinery by `model.load_state_dict`:
+
+# %%
+import torch
+from nbpar.models import build_model, next_token_loss
+
+out_file = nbpar.checkpoint.consolidate(ckpt, os.path.join(workdir, "tiny_gpt.pt"))
+state = torch.load(out_file, weights_only=True)
+model = build_model(cfg)
+print(model.load_state_dict(state))
+print(len(state), "tensors,", sum(t.numel() for t in state.values()), "parameters")
+
+# %% [markdown]
+# ## Monitoring: TensorBoard
+#
+# Every step record (loss, step time split into compute and communication, throughput,
+# memory per rank) can be written as TensorBoard event files, one folder per rank. Open
+# them with `%load_ext tensorboard` and `%tensorboard --logdir <logdir>`, or on the
+# command line `tensorboard --logdir <logdir>`.
+
+# %%
+logdir = os.path.join(workdir, "tensorboard")
+dirs = nbpar.export.to_tensorboard(reference, logdir)
+print([os.path.relpath(d, logdir) for d in dirs])
+
+# %% [markdown]
+# Reading the events back (what TensorBoard will plot):
+
+# %%
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+events = EventAccumulator(dirs[0]).Reload()
+print(sorted(events.Tags()["scalars"]))
+loss_events = events.Scalars("loss")
+print(len(loss_events), "loss points, first", round(loss_events[0].value, 4),
+      "last", round(loss_events[-1].value, 4))
+
+# %% [markdown]
+# The same records feed the live dashboard of a run (displayed by a cell that ends
+# with `run`); here its final state as a figure:
+
+# %%
+from nbpar.dashboard import Dashboard
+
+board = Dashboard(reference)
+board.update(force=True)
+board.figure
+
+# %%
+pool.shutdown()
