@@ -266,6 +266,16 @@ class TrainConfig:
         if pp > self.gpt.n_layers:
             raise ValueError(f"pp={pp} pipeline stages need at least {pp} layers, "
                              f"gpt.n_layers={self.gpt.n_layers}")
+        if self.strategy in PIPELINED and pp > 1:
+            # (DeepSpeed's pipeline engine runs any number of micro-batches)
+            if self.backend == "torch" and self.schedule != "gpipe" and self.grad_accum < pp:
+                raise ValueError(f"schedule {self.schedule!r} needs at least as many "
+                                 f"micro-batches (grad_accum={self.grad_accum}) as pipeline "
+                                 f"stages (pp={pp}); raise grad_accum or use schedule='gpipe'")
+            stages = pp * (2 if self.schedule == "interleaved" else 1)
+            if stages > self.gpt.n_layers:
+                raise ValueError(f"schedule {self.schedule!r} with pp={pp} needs {stages} "
+                                 f"layers, gpt.n_layers={self.gpt.n_layers}")
 
     def ds_config_dict(self) -> dict | None:
         """``deepspeed_config`` as a dict (reads the file when it is a path)."""

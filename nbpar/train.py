@@ -29,7 +29,6 @@ from nbpar.data import build_loader
 from nbpar.metrics import CommTimer, memory_snapshot
 from nbpar.models import build_model
 from nbpar.parallel import build_runner
-from nbpar.parallel.mesh import MESH_DIMS
 
 
 class _Batches:
@@ -82,21 +81,26 @@ def _agree_to_stop(should_stop, dev, world: int) -> bool:
     return bool(flag.item())
 
 
-def destroy_mesh_groups(mesh) -> None:
-    """Destroy the sub-groups a DeviceMesh created (never the default group)."""
-    if mesh is None:
-        return
-    world = dist.group.WORLD
-    seen = set()
-    for name in MESH_DIMS:
-        g = mesh.get_group(name)
-        if g is None or g is world or id(g) in seen:
-            continue
-        seen.add(id(g))
-        try:
-            dist.destroy_process_group(g)
-        except (ValueError, RuntimeError):
-            pass  # already gone
+_MESHES: dict = {}
+
+
+def mesh_for(dims, device_type: str):
+    """One DeviceMesh per layout for the life of the process group.
+
+    Destroying a mesh's sub-groups after a run breaks the next mesh of the same
+    layout (DTensor resolves groups by registered name); keeping one mesh per
+    layout costs a few sub-groups and nothing per run. ``worker.leave`` clears
+    the cache when the default group goes away.
+    """
+    key = (dims.shape, device_type, id(dist.group.WORLD))
+    if key not in _MESHES:
+        _MESHES[key] = dims.build_mesh(device_type)
+    return _MESHES[key]
+
+
+def forget_meshes() -> None:
+    """Drop cached meshes (their groups die with the default process group)."""
+    _MESHES.clear()
 
 
 def run_training(cfg: TrainConfig | dict, *, publish=None, should_stop=None,
@@ -122,7 +126,7 @@ def run_training(cfg: TrainConfig | dict, *, publish=None, should_stop=None,
         else device.default_backend()
     dev = device.current_device(pg_backend)
     dims = cfg.dims(world)
-    mesh = dims.build_mesh(device.device_type(pg_backend)) if on else None
+    mesh = mesh_for(dims, device.device_type(pg_backend)) if on else None
     runner = None
     try:
         model = build_model(cfg).to(dev)
@@ -139,7 +143,6 @@ def run_training(cfg: TrainConfig | dict, *, publish=None, should_stop=None,
     finally:
         if runner is not None:
             runner.close()
-        destroy_mesh_groups(mesh)
 
 
 def _loop(cfg, runner, batches, mesh, dims, rank, world, dev, pg_backend, publish,

@@ -38,6 +38,11 @@ def leave() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        import sys
+
+        train = sys.modules.get("nbpar.train")
+        if train is not None:
+            train.forget_meshes()
         dist.destroy_process_group()
     _state.pop("store", None)
 

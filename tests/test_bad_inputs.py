@@ -60,6 +60,9 @@ CONFIG_CASES = [
     (dict(strategy="tp", gpt=GPTConfig(n_heads=3, d_model=33)), "tp=2 must divide"),
     (dict(strategy="pipeline", gpt=GPTConfig(n_layers=1)), "need at least 2 layers"),
     (dict(strategy="pipeline", model="simple_cnn"), "tiny_gpt"),
+    (dict(strategy="pipeline", schedule="1f1b", grad_accum=1), "at least as many micro-batches"),
+    (dict(strategy="pipeline", schedule="interleaved", grad_accum=4,
+          gpt=GPTConfig(n_layers=3)), "needs 4 layers"),
     (dict(backend="deepspeed", strategy="zero3", deepspeed_config={
         "train_micro_batch_size_per_gpu": 16}), "16"),
     (dict(backend="deepspeed", strategy="zero3", deepspeed_config={"zero_optimisation": {}}),

@@ -65,10 +65,10 @@ def test_pipeline_options_checked_without_world_size():
 @pytest.mark.parametrize("kwargs,world,expect", [
     (dict(strategy="ddp"), 4, (1, 4, 1)),
     (dict(strategy="zero3"), 2, (1, 2, 1)),
-    (dict(strategy="pipeline"), 2, (2, 1, 1)),
+    (dict(strategy="pipeline", grad_accum=2), 2, (2, 1, 1)),
     (dict(strategy="tp"), 4, (1, 1, 4)),
-    (dict(strategy="hybrid", dp=2, pp=2), 4, (2, 2, 1)),
-    (dict(strategy="hybrid", dp=2, tp=2, pp=2), 8, (2, 2, 2)),
+    (dict(strategy="hybrid", dp=2, pp=2, grad_accum=2), 4, (2, 2, 1)),
+    (dict(strategy="hybrid", dp=2, tp=2, pp=2, grad_accum=2), 8, (2, 2, 2)),
     (dict(strategy="single"), 1, (1, 1, 1)),
 ])
 def test_default_degrees(kwargs, world, expect):

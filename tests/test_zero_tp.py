@@ -33,3 +33,21 @@ def test_tp_on_zero_needs_a_divisor_of_the_engines():
     with pytest.raises(ValueError, match="tp=3 must be a positive divisor"):
         TrainConfig(strategy="zero3", tp=3).validate(4)
     assert TrainConfig(strategy="zero3", tp=2).dims(8).dp == 4
+
+
+def _three_runs(rank, world):
+    out = []
+    for kwargs in (dict(strategy="hybrid", dp=2, tp=2), dict(strategy="zero3", tp=2),
+                   dict(strategy="hybrid", dp=2, tp=2)):
+        cfg = TrainConfig(model="tiny_gpt", micro_batch=4, steps=2, **kwargs)
+        out.append(run_training(cfg)["losses"])
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_consecutive_runs_with_sub_groups_in_one_process_group():
+    # a second mesh of the same layout used to hit groups destroyed after the first run
+    results = run_distributed(_three_runs, 4)
+    for first, second, third in results:
+        torch.testing.assert_close(torch.tensor(first), torch.tensor(third), atol=1e-6, rtol=0)
+        torch.testing.assert_close(torch.tensor(first), torch.tensor(second), atol=1e-5, rtol=0)

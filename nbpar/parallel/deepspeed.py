@@ -7,8 +7,12 @@ client torch optimizer built from the config's "optimizer" section.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
+import os
+import sys
+import warnings
 
 import torch
 
@@ -27,12 +31,31 @@ _GRAD_ATTRS = ("averaged_gradients", "grad_partitions_flat_buffer",
 def import_deepspeed():
     """Import deepspeed the CPU-safe way: DS_ACCELERATOR=cpu without a GPU, no shm op."""
     device.deepspeed_env()
-    import deepspeed
+    with _quiet_stderr():  # its import probes the linker for libaio: harmless noise
+        import deepspeed
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     # its per-engine INFO banner would fill every notebook cell's output
     deepspeed.utils.logger.setLevel(logging.WARNING)
+    # DeepSpeed still calls collectives torch has renamed; one warning per call
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r".*torch\.distributed\.(all_gather_into_tensor|"
+                                    r"reduce_scatter_tensor).*deprecated")
     return deepspeed
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silence file descriptor 2 (subprocesses write there, not to sys.stderr)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def client_optimizer(section: dict, params) -> torch.optim.Optimizer:
