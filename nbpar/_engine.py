@@ -15,6 +15,9 @@ def _warm_imports():
 
 
 if __name__ == "__main__":
+    from nbpar._orphan import exit_with_parent
+
+    exit_with_parent()
     threading.Thread(target=_warm_imports, name="nbpar-warm-imports", daemon=True).start()
     from ipyparallel.engine.app import main
 

@@ -89,6 +89,9 @@ class Dashboard:
             pct = f" ({n / total:.0%})" if total else ""
             text = f"step {of}{pct}{pace}" + (f" · ETA {format_seconds(eta)}"
                                               if eta is not None else "")
+        utils = [r["device_util_pct"] for r in history[-8:] if r.get("device_util_pct") is not None]
+        if utils:  # on GPUs: NVML utilisation of the ranks' devices
+            text += f" · GPU util {sum(utils) / len(utils):.0f}%"
         return {"steps": n, "total": total, "fraction": n / total if total else None,
                 "s_per_step": rate, "eta_s": None if done else eta, "text": text}
 

@@ -76,10 +76,15 @@ def memory_stats(backend: str) -> dict:
 
     if backend != "nccl" or not torch.cuda.is_initialized():
         return {}
-    return {
+    stats = {
         "device_allocated_bytes": torch.cuda.memory_allocated(),
         "device_peak_bytes": torch.cuda.max_memory_allocated(),
     }
+    try:  # NVML (pynvml); absent on some installs
+        stats["device_util_pct"] = torch.cuda.utilization()
+    except Exception:
+        pass
+    return stats
 
 
 def reset_peak(backend: str) -> None:

@@ -42,9 +42,10 @@ def by_rank(history: list[dict]) -> dict[int, list[dict]]:
 
 
 def other_bytes(rec: dict) -> float:
-    """Process memory that is none of params/grads/optimizer (activations, buffers, runtime)."""
-    rss = rec.get("rss_bytes") or 0
-    return max(0.0, rss - sum(rec.get(k) or 0 for k in MEMORY_PARTS))
+    """Memory that is none of params/grads/optimizer (activations, buffers, runtime):
+    of the device's allocated memory on a GPU, of the process's RSS on CPU."""
+    held = rec.get("device_allocated_bytes") or rec.get("rss_bytes") or 0
+    return max(0.0, held - sum(rec.get(k) or 0 for k in MEMORY_PARTS))
 
 
 def memory_parts(rec: dict) -> dict[str, float]:

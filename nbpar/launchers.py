@@ -80,6 +80,8 @@ def configure(cluster, launcher: str, n: int, env: dict) -> None:
     """
     cfg = cluster.config
     cfg.EngineLauncher.engine_cmd = engine_cmd()
+    # a local controller exits with the kernel that started it
+    cfg.LocalControllerLauncher.controller_cmd = [sys.executable, "-m", "nbpar._controller"]
     env = dict(env)
     if launcher.lower() == "mpi":
         if os.geteuid() == 0:

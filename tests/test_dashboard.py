@@ -175,3 +175,17 @@ def test_plot_step_split_static():
     expected = [sum(r["comm_s"] for r in g) / sum(r["step_time_s"] for r in g)
                 for g in groups.values()]
     assert heights == pytest.approx(expected)
+
+
+def test_gpu_records_use_device_memory_and_show_utilisation():
+    from nbpar.dashboard import Dashboard
+    from nbpar.history import other_bytes
+    from tests.viz_fakes import FakeRun, history
+
+    run = FakeRun(history=history(3))
+    for rec in run.history:
+        rec.update(device_allocated_bytes=50_000_000, device_util_pct=80)
+    rec = run.history[-1]
+    states = rec["param_bytes"] + rec["grad_bytes"] + rec["optim_bytes"]
+    assert other_bytes(rec) == 50_000_000 - states
+    assert "GPU util 80%" in Dashboard(run).progress()["text"]

@@ -55,3 +55,47 @@ def test_interrupt_stops_a_long_cell_and_keeps_the_pool(pool):
     assert time.monotonic() - t < 8
     assert [r["state"] for r in pool.status()] == ["ready", "ready"]
     assert _allreduce_ok(pool) == 2.0
+
+
+def test_no_engine_outlives_a_killed_kernel(tmp_path):
+    """The kernel that made the pool dies without any cleanup: its engines exit too."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    script = ("import os, signal, sys, nbpar\n"
+              "pool = nbpar.Pool(2, replace=False)\n"
+              "print(' '.join(str(e['pid']) for e in pool.engines), flush=True)\n"
+              "print(pool.cluster.controller.process.pid, flush=True)\n"
+              "os.kill(os.getpid(), signal.SIGKILL)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    lines = out.stdout.split("\n")
+    pids = [int(p) for p in lines[0].split()] + [int(lines[1])]
+    deadline = time.monotonic() + 15
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [p for p in pids if psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    for p in alive:
+        os.kill(p, signal.SIGKILL)
+    assert not alive, f"engines/controller outlived their kernel: {alive}"
+
+
+def test_interrupt_during_train_stops_every_rank_at_a_step_boundary(pool):
+    import nbpar
+
+    run = pool.train(nbpar.TrainConfig(model="tiny_gpt", strategy="ddp", micro_batch=4,
+                                       steps=100_000))
+    while len(run.history) < 4:
+        time.sleep(0.1)
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        run.wait()
+    assert run.done()
+    res = run.per_rank()
+    assert len(res[0]["losses"]) == len(res[1]["losses"]) < 100_000
+    assert [r["state"] for r in pool.status()] == ["ready", "ready"]
+    assert _allreduce_ok(pool) == 2.0
