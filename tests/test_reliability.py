@@ -13,6 +13,19 @@ from nbpar.errors import DistTimeout, EngineDied
 pytestmark = pytest.mark.timeout(240)
 
 
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt here, as in a kernel (other libraries may have
+    installed their own handler earlier in the session)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    if previous is not signal.default_int_handler:
+        import warnings
+
+        warnings.warn(f"SIGINT handler was replaced earlier in the session: {previous!r}")
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def _allreduce_ok(pool) -> float:
     res = pool.execute("import torch, torch.distributed as dist\nt = torch.ones(1)\n"
                        "dist.all_reduce(t)\nt.item()")
@@ -46,7 +59,7 @@ def test_hung_collective_times_out_then_pool_is_usable_after_restart(pool):
     assert _allreduce_ok(pool) == 2.0
 
 
-def test_interrupt_stops_a_long_cell_and_keeps_the_pool(pool):
+def test_interrupt_stops_a_long_cell_and_keeps_the_pool(pool, sigint_raises):
     # what the notebook's interrupt button does: SIGINT to the kernel while it waits
     threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
     t = time.monotonic()
@@ -84,7 +97,7 @@ def test_no_engine_outlives_a_killed_kernel(tmp_path):
     assert not alive, f"engines/controller outlived their kernel: {alive}"
 
 
-def test_interrupt_during_train_stops_every_rank_at_a_step_boundary(pool):
+def test_interrupt_during_train_stops_every_rank_at_a_step_boundary(pool, sigint_raises):
     import nbpar
 
     run = pool.train(nbpar.TrainConfig(model="tiny_gpt", strategy="ddp", micro_batch=4,
