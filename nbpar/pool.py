@@ -7,6 +7,7 @@ to one process group: gloo on CPU, nccl with one engine per GPU.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import socket
 import time
@@ -242,6 +243,9 @@ class Pool:
         _live.discard(self)
         try:
             if self.owned and self.cluster is not None:
+                # ipyparallel logs harmless races while removing engine log files
+                # ("Failed to remove ...log"): not worth a red line in a notebook
+                self.cluster.log.setLevel(logging.CRITICAL)
                 self.cluster.stop_cluster_sync()
         finally:
             if self.client is not None:
