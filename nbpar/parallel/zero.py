@@ -10,12 +10,12 @@ Training Trillion Parameter Models", SC 2020) over the dp dimension.
 """
 from __future__ import annotations
 
-import contextlib
 
 import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from nbpar.parallel.ddp import DDPRunner
 from nbpar.parallel.runner import StepRunner, optimizer_state_tensors, tensor_bytes
 
 TORCH_PRECISIONS = ("fp32", "bf16")
@@ -84,23 +84,9 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-class Zero1Runner(StepRunner):
-    """DDP + sharded optimizer; accumulation skips the all-reduce until the last micro-batch."""
-
-    def __init__(self, model, optimizer, loss, *, timer=None, **kw):
-        super().__init__(model, optimizer, loss, **kw)
-        self.comm_timer = timer
-
-    def train_step(self, micro_batches):
-        self.optimizer.zero_grad(set_to_none=True)
-        n = len(micro_batches)
-        losses = []
-        for i, (x, y) in enumerate(micro_batches):
-            sync = self.model.no_sync() if i < n - 1 else contextlib.nullcontext()
-            with sync:
-                losses.append(self.forward_backward(x, y, 1.0 / n))
-        self.optimizer.step()  # updates this rank's partition, then broadcasts it
-        return torch.stack(losses).mean()
+class Zero1Runner(DDPRunner):
+    """DDP + sharded optimizer (ZeRO-1); accumulation skips the all-reduce until the last
+    micro-batch, and ``optimizer.step()`` updates this rank's partition, then broadcasts it."""
 
     def memory(self) -> dict[str, int]:
         out = super().memory()
