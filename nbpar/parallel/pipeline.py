@@ -8,6 +8,7 @@ Every forward/backward of a micro-batch is timed to measure the bubble.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 
@@ -21,6 +22,7 @@ from .. import timeline as _timeline
 from . import autocast_dtype as precision_dtype
 from . import make_optimizer
 from .runner import StepRunner
+from .saved_activations import SavedActivations
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
              "interleaved": ScheduleInterleaved1F1B}
@@ -102,12 +104,16 @@ class TimedStage(PipelineStage):
     Every schedule (single- and multi-stage) calls ``forward_one_chunk`` and
     ``backward_one_chunk`` after its receives completed, so these spans are
     pure compute: the gaps between them are the bubble plus communication.
+    ``activations`` (shared by the rank's stages) counts the bytes each
+    micro-batch's forward saves for backward until its backward frees them.
     """
 
-    def __init__(self, *args, events: list, clock: list, autocast_dtype=None, **kwargs):
+    def __init__(self, *args, events: list, clock: list, autocast_dtype=None,
+                 activations: SavedActivations | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self._events, self._clock = events, clock
         self._autocast_dtype = autocast_dtype
+        self.activations = SavedActivations() if activations is None else activations
 
     def _record(self, mb: int, kind: str, start: float) -> None:
         offset = self._clock[0]  # to pp rank 0's clock
@@ -116,12 +122,11 @@ class TimedStage(PipelineStage):
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
         start = time.perf_counter()
-        if self._autocast_dtype is None:
+        autocast = (contextlib.nullcontext() if self._autocast_dtype is None else
+                    torch.autocast(self.device.type, dtype=self._autocast_dtype))
+        with autocast, self.activations.forward(self.stage_index, fwd_chunk_id,
+                                                self.submod.parameters()):
             out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
-        else:
-            with torch.autocast(self.device.type, dtype=self._autocast_dtype):
-                out = super().forward_one_chunk(fwd_chunk_id, args, kwargs,
-                                                save_forward_output)
         self._record(fwd_chunk_id, "F", start)
         return out
 
@@ -131,6 +136,7 @@ class TimedStage(PipelineStage):
         out = super().backward_one_chunk(bwd_chunk_id, loss=loss,
                                          full_backward=full_backward,
                                          last_backward=last_backward)
+        self.activations.release(self.stage_index, bwd_chunk_id)
         self._record(bwd_chunk_id, "B", start)
         return out
 
@@ -162,6 +168,15 @@ class PipelineRunner(StepRunner):
         self._events, self._clock, self._timeline = events, clock, []
         self._last_rank = dist.get_global_rank(pp_group, self.pp_size - 1)
         self._clock[0] = _timeline.clock_offset(pp_group)
+        self.activations = stages[0].activations
+
+    def peak_activation_bytes(self) -> int:
+        """Peak bytes saved for backward on this rank during the last step."""
+        return self.activations.peak
+
+    def memory(self) -> dict[str, int]:
+        """StepRunner's bytes plus ``activation_peak_bytes`` of the last step."""
+        return {**super().memory(), "activation_peak_bytes": self.peak_activation_bytes()}
 
     def reduce_data_parallel_grads(self) -> None:
         """Hook for hybrid runners that average gradients over dp themselves."""
@@ -178,6 +193,7 @@ class PipelineRunner(StepRunner):
         first = any(s.is_first for s in self.stages)
         last = any(s.is_last for s in self.stages)
         self._events.clear()
+        self.activations.reset()
         dist.barrier(group=self.pp_group)
         t0 = time.perf_counter() - self._clock[0]
         losses: list = []
@@ -215,15 +231,17 @@ class PipelineRunner(StepRunner):
 
 def build_stages(chunks, pp_rank, pp_size, virtual, pp_group, device, autocast_dtype):
     """Wrap this rank's chunks in TimedStages (shapes inferred on the first step)."""
-    events, clock = [], [0.0]
+    events, clock, activations = [], [0.0], SavedActivations()
     stages = [TimedStage(chunk, sid, pp_size * virtual, device, group=pp_group,
-                         events=events, clock=clock, autocast_dtype=autocast_dtype)
+                         events=events, clock=clock, autocast_dtype=autocast_dtype,
+                         activations=activations)
               for chunk, sid in zip(chunks, stage_ids(pp_rank, pp_size, virtual))]
     return stages, events, clock
 
 
 def make_schedule(cfg, stages, loss_fn):
     cls = SCHEDULES[cfg.schedule]
+    loss_fn = stages[0].activations.wrap_loss(loss_fn)  # the loss's saved tensors count too
     if cfg.schedule == "interleaved":
         return cls(stages, n_microbatches=cfg.grad_accum, loss_fn=loss_fn)
     return cls(stages[0], n_microbatches=cfg.grad_accum, loss_fn=loss_fn)
