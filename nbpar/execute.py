@@ -79,7 +79,7 @@ def _failure(ar):
 
 
 def wait_all(pool, ars: dict, timeout: float | None, *, interruptible: bool = True,
-             on_poll=None) -> None:
+             on_poll=None, whole=None) -> None:
     """Wait for ``ars`` (rank -> AsyncResult); raise one clear error if it fails."""
     start = time.monotonic()
     first_failure = None
@@ -106,7 +106,8 @@ def wait_all(pool, ars: dict, timeout: float | None, *, interruptible: bool = Tr
                     pending)
             if on_poll is not None and time.monotonic() > quiet_until:
                 on_poll()
-            ars[pending[0]].wait(0.1)
+            # one wake-up when everything is done (``whole``: the AsyncResult of all ranks)
+            (whole if whole is not None else ars[pending[0]]).wait(0.1)
     except KeyboardInterrupt:
         if interruptible:
             interrupt(pool, [r for r, ar in ars.items() if not ar.ready()], ars)
@@ -168,13 +169,14 @@ def run_cell(pool, code: str, ranks, timeout: float | None) -> DistResult:
 
     plot = LogPlot(ars, show=True)  # draws nbpar.log(...) records live, if any
     try:
-        wait_all(pool, ars, timeout, on_poll=plot.poll)
+        wait_all(pool, ars, timeout, on_poll=plot.poll, whole=ar)
     except RankError:
         done = [r for r in ranks if ars[r].ready() and ars[r].wait_for_output(OUTPUT_WAIT_S)]
         plot.finish()
         DistResult(done, [_metadata(ars[r]) for r in done]).render()
         raise
-    for r in ranks:  # the reply can arrive before the last output message
-        ars[r].wait_for_output(OUTPUT_WAIT_S)
-    plot.finish()
-    return DistResult(ranks, [_metadata(ars[r]) for r in ranks])
+    ar.wait_for_output(OUTPUT_WAIT_S)  # the reply can arrive before the last output
+    metadata = [_metadata(ars[r]) for r in ranks]
+    if any(md.get("data") for md in metadata):  # something was logged with nbpar.log
+        plot.finish()
+    return DistResult(ranks, metadata)

@@ -86,13 +86,19 @@ class LogPlot:
     """
 
     def __init__(self, ars: dict, *, min_interval_s: float = 0.5, show: bool = False):
-        from matplotlib.figure import Figure
-
         self.ars, self.min_interval_s, self.show = ars, min_interval_s, show
-        self.figure = Figure(figsize=(9, 3), dpi=80, layout="constrained")
+        self._figure = None  # made on first use: most cells never log anything
         self.lines: dict[tuple[str, int], object] = {}
         self.metrics: list[str] = []
         self._count, self._rendered_at, self._handle = -1, 0.0, None
+
+    @property
+    def figure(self):
+        if self._figure is None:
+            from matplotlib.figure import Figure
+
+            self._figure = Figure(figsize=(9, 3), dpi=80, layout="constrained")
+        return self._figure
 
     def records(self) -> list[dict]:
         out = []

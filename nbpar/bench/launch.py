@@ -4,7 +4,8 @@ Three figures for each: seconds from nothing to a completed all_reduce
 (``ready_s``), the median round trip of a trivial cell (``cell_ms``) and of a
 cell with one all_reduce (``allreduce_ms``). The baseline is what a user
 would write by hand: ``ipp.Cluster(n)`` with default settings, then an
-``init_process_group`` cell. Both pools stay up while cells are timed, and
+``init_process_group`` cell; its cells run as ``%px`` runs them
+(``view.execute(code, silent=False)``, so values are displayed, as ``%%dist`` does). Both pools stay up while cells are timed, and
 the timings alternate between them, so a noisy machine's drift hits both.
 """
 from __future__ import annotations
@@ -71,7 +72,7 @@ def bench_launch(engines: int = 2, reps: int = 30) -> dict:
             cells = {k: [] for k in ("ours_cell", "base_cell", "ours_ar", "base_ar")}
             for i in range(reps + 1):  # the first round warms up
                 order = [("ours", lambda c: pool.execute(c)),
-                         ("base", lambda c: view.execute(c, block=True))]
+                         ("base", lambda c: view.execute(c, silent=False, block=True))]
                 for who, run in order if i % 2 else order[::-1]:
                     cell, ar = _timed_ms(lambda: run("pass")), _timed_ms(lambda: run(ALLREDUCE))
                     if i:
