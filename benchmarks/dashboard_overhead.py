@@ -16,6 +16,9 @@ import nbpar
 from nbpar.dashboard import Dashboard
 
 
+SIZES = {"d_model": 128, "n_layers": 4, "seq_len": 128}  # a step of ~0.1 s on 2 cores
+
+
 class _Sink:
     """Stands in for a notebook display handle; counts the images it is sent."""
 
@@ -27,7 +30,7 @@ class _Sink:
 
 def one(pool, steps, micro, dashboard: bool) -> float:
     run = pool.train(nbpar.TrainConfig(model="tiny_gpt", strategy="ddp", micro_batch=micro,
-                                       steps=steps))
+                                       steps=steps, gpt=nbpar.GPTConfig(**SIZES)))
     dash = None
     if dashboard:
         dash = Dashboard(run)
@@ -43,9 +46,9 @@ def one(pool, steps, micro, dashboard: bool) -> float:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--steps", type=int, default=60)
     p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     on, off = [], []
     with nbpar.Pool(2) as pool:

@@ -17,12 +17,16 @@ import nbpar
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+SIZES = {"d_model": 128, "n_layers": 4, "seq_len": 128}  # a step of ~0.1 s on 2 cores
+
+
 def plain(engines: int, steps: int, micro: int, model: str) -> float:
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(engines),
          "--standalone",
          os.path.join(HERE, "plain_ddp.py"), "--steps", str(steps),
-         "--micro-batch", str(micro), "--model", model],
+         "--micro-batch", str(micro), "--model", model, "--d-model", str(SIZES["d_model"]),
+         "--layers", str(SIZES["n_layers"]), "--seq-len", str(SIZES["seq_len"])],
         capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     line = [l for l in out.stdout.splitlines() if l.startswith("{")][-1]
     return json.loads(line)["step_time_s"]
@@ -30,7 +34,7 @@ def plain(engines: int, steps: int, micro: int, model: str) -> float:
 
 def ours(pool, steps: int, micro: int, model: str) -> float:
     run = pool.train(nbpar.TrainConfig(model=model, strategy="ddp", micro_batch=micro,
-                                       steps=steps))
+                                       steps=steps, gpt=nbpar.GPTConfig(**SIZES)))
     times = [r["step_time_s"] for r in run.per_rank()[0]["history"]][5:]
     return statistics.median(times)
 
@@ -38,10 +42,10 @@ def ours(pool, steps: int, micro: int, model: str) -> float:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engines", type=int, default=2)
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=40)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--model", default="tiny_gpt")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     a, b = [], []
     with nbpar.Pool(args.engines, env={"OMP_NUM_THREADS": "1"}) as pool:

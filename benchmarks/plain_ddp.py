@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from nbpar.config import TrainConfig
+from nbpar.config import GPTConfig, TrainConfig
 from nbpar.data import build_loader
 from nbpar.models import build_model, loss_fn
 
@@ -24,12 +24,16 @@ def main():
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--model", default="tiny_gpt")
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (torch.get_num_threads()) // world))
     cfg = TrainConfig(model=args.model, strategy="ddp", micro_batch=args.micro_batch,
-                      steps=args.steps)
+                      steps=args.steps, gpt=GPTConfig(d_model=args.d_model, n_layers=args.layers,
+                                                      seq_len=args.seq_len))
     model = DDP(build_model(cfg))
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     criterion = loss_fn(cfg.model)

@@ -119,6 +119,10 @@ def wait_all(pool, ars: dict, timeout: float | None, *, interruptible: bool = Tr
     engine_errors = [r for r, e in errors.items() if e and e[0] == "EngineError"]
     dead = sorted(set(dead) | set(engine_errors))
     if dead:
+        if getattr(pool, "auto_restart", False):
+            pool.restart()
+            raise EngineDied(f"the engine of rank(s) {dead} died; the pool was restarted "
+                             f"(restart='auto'): run the cell again", dead)
         raise EngineDied(f"the engine of rank(s) {dead} died; its peers cannot finish their "
                          f"collectives: run `%dist restart` (or pool.restart()) to get a full "
                          f"process group back", dead)

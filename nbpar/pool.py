@@ -65,7 +65,9 @@ class Pool:
     timeout; ``env``: variables set on every engine (e.g. NCCL knobs); ``ip``:
     interface the controller listens on (loopback unless you say otherwise);
     ``port``: rendezvous port (default: a free one); ``replace``: shut down
-    the previous current pool (what re-running a notebook cell wants).
+    the previous current pool (what re-running a notebook cell wants);
+    ``restart="auto"``: after an engine dies, bring the pool back by itself
+    (the failed cell or run still raises, so you know to run it again).
     Other keyword arguments go to ``ipyparallel.Cluster``.
     """
 
@@ -73,7 +75,7 @@ class Pool:
                  backend: str | None = None, timeout: float | None = None,
                  pg_timeout: float = 300.0, start_timeout: float = 120.0,
                  env: dict | None = None, ip: str = "127.0.0.1", port: int | None = None,
-                 replace: bool = True, **cluster_kwargs):
+                 replace: bool = True, restart: str | None = None, **cluster_kwargs):
         n_gpus = device.accelerator_count() if backend in (None, "nccl") else 0
         if backend is None:
             backend = device.default_backend(n_gpus)
@@ -88,6 +90,9 @@ class Pool:
             raise ValueError(f"timeout must be positive seconds or None, got {timeout!r}")
         env = {str(k): str(v) for k, v in (env or {}).items()}
         _check_port(port, ip)
+        if restart not in (None, "auto"):
+            raise ValueError(f"restart must be None or 'auto', got {restart!r}")
+        self.auto_restart = restart == "auto"
         if replace:
             previous = _current() if _current else None
             if previous is not None and not previous.closed:
@@ -124,6 +129,7 @@ class Pool:
         self = cls.__new__(cls)
         self.backend = backend or device.default_backend()
         self.launcher, self.owned, self.closed, self.cluster = "connected", False, False, None
+        self.auto_restart = kwargs.pop("restart", None) == "auto"
         self.timeout = kwargs.pop("timeout", None)
         self.pg_timeout = kwargs.pop("pg_timeout", 300.0)
         self.start_timeout = kwargs.pop("start_timeout", 120.0)

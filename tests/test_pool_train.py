@@ -74,3 +74,10 @@ def test_cli_train_json_contract():
         assert set(row) >= {"rank", "param_bytes", "grad_bytes", "optim_bytes", "peak_bytes"}
     torch.testing.assert_close(torch.tensor(ddp["losses"]), torch.tensor(single["losses"]),
                                atol=1e-5, rtol=0)
+
+
+def test_pipeline_run_reports_its_bubble(pool):
+    res = pool.train(nbpar.TrainConfig(model="tiny_gpt", strategy="pipeline", schedule="gpipe",
+                                       micro_batch=2, grad_accum=4, steps=3)).result()
+    assert len(res["losses"]) == 3
+    assert 0 < res["bubble_fraction"] < 1

@@ -112,3 +112,20 @@ def test_interrupt_during_train_stops_every_rank_at_a_step_boundary(pool, sigint
     assert len(res[0]["losses"]) == len(res[1]["losses"]) < 100_000
     assert [r["state"] for r in pool.status()] == ["ready", "ready"]
     assert _allreduce_ok(pool) == 2.0
+
+
+def test_restart_auto_brings_the_pool_back_after_an_engine_dies():
+    import nbpar
+
+    with pytest.raises(ValueError, match="restart must be None or 'auto'"):
+        nbpar.Pool(1, restart="sometimes")
+    with nbpar.Pool(2, restart="auto", replace=False) as auto:
+        victim = auto.engines[0]["pid"]
+        threading.Timer(1.0, os.kill, (victim, signal.SIGKILL)).start()
+        with pytest.raises(EngineDied, match="restarted"):
+            auto.execute("import time, torch, torch.distributed as dist\n"
+                         "for _ in range(200):\n    dist.all_reduce(torch.ones(1))\n"
+                         "    time.sleep(0.05)")
+        assert victim not in [e["pid"] for e in auto.engines]
+        assert [r["state"] for r in auto.status()] == ["ready", "ready"]
+        assert _allreduce_ok(auto) == 2.0
