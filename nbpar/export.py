@@ -38,6 +38,40 @@ def to_tensorboard(run_or_history, logdir) -> list[str]:
     return dirs
 
 
+def to_wandb(run_or_history, *, project: str = "nbpar", **init_kwargs):
+    """Log a run's history to Weights & Biases, when the user has it installed and
+    configured (logged in, ``WANDB_API_KEY`` set, or ``WANDB_MODE=offline``).
+
+    One W&B step per training step; each scalar of each rank as ``rank{r}/{tag}``.
+    Returns the finished wandb run.
+    """
+    try:
+        import wandb
+    except ImportError:
+        raise ImportError("to_wandb needs the wandb package: `pip install wandb`, then "
+                          "`wandb login` (or set WANDB_MODE=offline)") from None
+    configured = os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE") in (
+        "offline", "disabled") or getattr(getattr(wandb, "api", None), "api_key", None)
+    if not configured:
+        raise RuntimeError("wandb is installed but not configured: run `wandb login`, set "
+                           "WANDB_API_KEY, or set WANDB_MODE=offline")
+    history = as_history(run_or_history)
+    config = getattr(getattr(run_or_history, "cfg", None), "to_dict", dict)()
+    wb = wandb.init(project=project, config=config, **init_kwargs)
+    try:
+        steps = sorted({rec["step"] for rec in history})
+        per_step = {s: {} for s in steps}
+        for rec in history:
+            for tag, key in SCALARS.items():
+                if rec.get(key) is not None:
+                    per_step[rec["step"]][f"rank{rec['rank']}/{tag}"] = rec[key]
+        for s in steps:
+            wb.log(per_step[s], step=s)
+    finally:
+        wb.finish()
+    return wb
+
+
 class PrometheusExporter:
     """Gauges of the latest step per rank, served at ``.url`` for Prometheus to scrape.
 

@@ -85,3 +85,56 @@ def test_grafana_sample_queries_only_exported_metrics():
         exporter.update(history(1))
         served = {name.split("{")[0] for name in _scrape(exporter.url)}
     assert used and used <= served, used - served
+
+
+class _FakeWandb:
+    """Stands in for the wandb client (the real one needs an account and the network)."""
+
+    def __init__(self):
+        self.logged, self.finished, self.init_kwargs = [], False, None
+
+    def init(self, **kwargs):
+        self.init_kwargs = kwargs
+        return self
+
+    def log(self, data, step):
+        self.logged.append((step, dict(data)))
+
+    def finish(self):
+        self.finished = True
+
+
+def test_to_wandb_logs_every_rank_per_step(monkeypatch):
+    import sys
+
+    from nbpar.export import to_wandb
+    from tests.viz_fakes import FakeRun, history
+
+    fake = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run = FakeRun(history=history(3))
+    to_wandb(run, project="demo")
+    assert fake.init_kwargs["project"] == "demo" and fake.finished
+    assert [s for s, _ in fake.logged] == [0, 1, 2]
+    step0 = fake.logged[0][1]
+    assert step0["rank0/loss"] == run.history[0]["loss"]
+    assert step0["rank1/loss"] == run.history[1]["loss"]
+
+
+def test_to_wandb_explains_what_is_missing(monkeypatch):
+    import sys
+
+    import pytest
+
+    from nbpar.export import to_wandb
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
+    with pytest.raises(ImportError, match="pip install wandb"):
+        to_wandb([])
+    monkeypatch.setitem(sys.modules, "wandb", _FakeWandb())
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    with pytest.raises(RuntimeError, match="wandb login"):
+        to_wandb([])
