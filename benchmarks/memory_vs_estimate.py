@@ -3,11 +3,11 @@
     python benchmarks/memory_vs_estimate.py
 
 Runs a few steps of each strategy on a 2-engine pool and prints, per strategy,
-the relative error of measured param/grad/optimizer bytes (rank 0) against
-`nbpar.estimate_memory` (target: within 5%). Known differences are reported,
-not hidden: FSDP2's "zero2" also keeps parameters sharded between steps, and
-DeepSpeed keeps an fp32 master copy even in fp32 and frees gradients inside
-its step.
+the relative error of measured param/grad/optimizer bytes against
+`nbpar.estimate_memory(..., backend=...)` (target: within 5%), for the rank
+furthest from the estimate. The estimate models each backend: FSDP2's "zero2"
+reshards parameters after backward; DeepSpeed partitions gradients from stage 1
+and keeps an fp32 master partition even in fp32.
 """
 import json
 import os
@@ -25,10 +25,12 @@ def main():
         for strategy, backend in CASES:
             run = pool.train(nbpar.TrainConfig(model="tiny_gpt", strategy=strategy,
                                                backend=backend, micro_batch=4, steps=3))
-            cmp = run.memory_vs_estimate()[0]
+            per_rank = run.memory_vs_estimate()
+            worst = {k: max((c[k]["rel_error"] for c in per_rank.values()), key=abs)
+                     for k in per_rank[0]}  # the rank furthest from the estimate
             rows.append({"strategy": strategy, "backend": backend,
-                         **{k: round(v["rel_error"], 4) for k, v in cmp.items()},
-                         "within_5pct": all(abs(v["rel_error"]) <= 0.05 for v in cmp.values())})
+                         **{k: round(v, 4) for k, v in worst.items()},
+                         "within_5pct": all(abs(v) <= 0.05 for v in worst.values())})
     print(json.dumps({"rows": rows, "cores": os.cpu_count()}))
 
 

@@ -115,7 +115,8 @@ def _activations(spec, tp: int, pp: int, element_bytes: int) -> float:
 def estimate_memory(params: float, world_size: int = 1, strategy: str = "ddp", *,
                     dp: int | None = None, tp: int | None = None, pp: int | None = None,
                     optimizer: str = "adam", precision: str = "fp32", offload: str = "none",
-                    activations: dict | None = None) -> MemoryEstimate:
+                    activations: dict | None = None,
+                    backend: str | None = None) -> MemoryEstimate:
     """Bytes each rank holds for parameters, gradients, optimizer states (and activations).
 
     Psi = params / (tp * pp) per model-parallel rank, then the ZeRO stage of `strategy`
@@ -124,6 +125,10 @@ def estimate_memory(params: float, world_size: int = 1, strategy: str = "ddp", *
     Offloaded bytes go to per_rank_bytes["host"], not "total". `activations` is an optional
     dict(batch=, seq_len=, hidden=, layers=, heads=[, sequence_parallel=True, in_flight=1]):
     in_flight is how many micro-batches a stage holds at once (pp on 1F1B's first stage).
+    `backend` None follows the ZeRO paper; "torch" or "deepspeed" models what those
+    implementations hold between steps: FSDP2's zero2 (no resharding after forward)
+    reshards parameters after backward; DeepSpeed reduces gradients into this rank's
+    partition from stage 1 on and keeps an fp32 master partition even in fp32 training.
     """
     if isinstance(params, bool) or not isinstance(params, Real) or not math.isfinite(params) \
             or params <= 0:
@@ -136,10 +141,19 @@ def estimate_memory(params: float, world_size: int = 1, strategy: str = "ddp", *
     if offload == "params" and stage != 3:
         raise ValueError(f"offload='params' needs ZeRO stage 3 (strategy 'zero3'), got "
                          f"strategy {strategy!r}.")
+    if backend not in (None, "torch", "deepspeed"):
+        raise ValueError(f"backend must be None, 'torch' or 'deepspeed', got {backend!r}.")
+    shard = {"params": stage >= 3, "grads": stage >= 2, "optim": stage >= 1}
+    if backend == "torch" and stage == 2:
+        shard["params"] = True
+    if backend == "deepspeed" and stage >= 1:
+        shard["grads"] = True
+        if p_b == 4:  # fp32 training: the master copy is an extra fp32 partition
+            o_b += 4
     psi = params / (tp * pp)
-    nbytes = {"params": p_b * psi / (dp if stage >= 3 else 1),
-              "grads": g_b * psi / (dp if stage >= 2 else 1),
-              "optim": o_b * psi / (dp if stage >= 1 else 1)}
+    nbytes = {"params": p_b * psi / (dp if shard["params"] else 1),
+              "grads": g_b * psi / (dp if shard["grads"] else 1),
+              "optim": o_b * psi / (dp if shard["optim"] else 1)}
     moved = {"none": (), "optimizer": ("optim",), "params": ("optim", "params")}[offload]
     host = sum(nbytes[key] for key in moved)
     nbytes.update({key: 0.0 for key in moved})

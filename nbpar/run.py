@@ -126,7 +126,7 @@ class Run:
         return estimate_memory(n_params, world, strategy, dp=dims.dp, tp=dims.tp, pp=dims.pp,
                                optimizer=cfg.optimizer,
                                precision="fp32" if cfg.precision == "fp32" else "mixed",
-                               offload=cfg.offload)
+                               offload=cfg.offload, backend=cfg.backend)
 
     def memory_vs_estimate(self) -> dict:
         """Per rank: measured param/grad/optimizer bytes next to the estimate."""

@@ -218,3 +218,22 @@ def test_plot_bars_equal_the_numbers():
     fig.savefig(io.BytesIO(), format="png")  # renders without pyplot
     other = Figure().add_subplot()
     assert est.plot(ax=other) is other.figure
+
+
+def test_backend_models_what_implementations_hold_between_steps():
+    from nbpar.memory import estimate_memory
+
+    P, N = 1e6, 2
+    paper = estimate_memory(P, N, "zero2").per_rank_bytes
+    fsdp = estimate_memory(P, N, "zero2", backend="torch").per_rank_bytes
+    assert paper["params"] == 4 * P and fsdp["params"] == 4 * P / N  # FSDP2 reshards
+    assert fsdp["grads"] == paper["grads"] and fsdp["optim"] == paper["optim"]
+    ds1 = estimate_memory(P, N, "zero1", backend="deepspeed").per_rank_bytes
+    assert ds1["grads"] == 4 * P / N  # reduced into this rank's partition
+    assert ds1["optim"] == (8 + 4) * P / N  # Adam states + fp32 master partition
+    assert estimate_memory(P, N, "ddp", backend="deepspeed").per_rank_bytes == \
+        estimate_memory(P, N, "ddp").per_rank_bytes
+    mixed = estimate_memory(P, N, "zero1", precision="mixed", backend="deepspeed")
+    assert mixed.per_rank_bytes["optim"] == 12 * P / N  # master already in K=12
+    with pytest.raises(ValueError, match="backend must be"):
+        estimate_memory(P, N, "zero1", backend="jax")

@@ -81,3 +81,12 @@ def test_pipeline_run_reports_its_bubble(pool):
                                        micro_batch=2, grad_accum=4, steps=3)).result()
     assert len(res["losses"]) == 3
     assert 0 < res["bubble_fraction"] < 1
+
+
+@pytest.mark.parametrize("strategy, backend", [("zero2", "torch"), ("ddp", "deepspeed")])
+def test_measured_memory_matches_the_estimate(pool, strategy, backend):
+    run = pool.train(nbpar.TrainConfig(model="tiny_gpt", strategy=strategy, backend=backend,
+                                       micro_batch=4, steps=2))
+    for rank, cmp in run.memory_vs_estimate().items():
+        for key, row in cmp.items():
+            assert abs(row["rel_error"]) <= 0.05, (rank, key, row)

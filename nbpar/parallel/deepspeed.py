@@ -143,14 +143,22 @@ class DeepSpeedRunner(StepRunner):
             raise ValueError(f"got {len(micro_batches)} micro-batches, the DeepSpeed engine "
                              f"accumulates over gradient_accumulation_steps={gas}")
         losses = []
-        for x, y in micro_batches:
+        for i, (x, y) in enumerate(micro_batches):
             if x.is_floating_point():
                 x = x.to(self.dtype)
             loss = self.loss_fn(self.engine(x).float(), y)
             self.engine.backward(loss)
+            if i == len(micro_batches) - 1:  # DeepSpeed frees its gradients inside step()
+                self._boundary_grad_bytes = tensor_bytes(self._grad_tensors())
             self.engine.step()
             losses.append(loss.detach().float())
         return torch.stack(losses).mean()
+
+    def _grad_tensors(self) -> list:
+        opt = self.engine.optimizer
+        masters = [t for a in _MASTER_ATTRS for t in _tensors(getattr(opt, a, None))]
+        grads = [p.grad for p in self.parameters()] + [m.grad for m in masters]
+        return grads + [t for a in _GRAD_ATTRS for t in _tensors(getattr(opt, a, None))]
 
     def parameters(self):
         return list(self.engine.module.parameters())
@@ -167,8 +175,9 @@ class DeepSpeedRunner(StepRunner):
 
         param_bytes: the module's parameters (under ZeRO-3 their ``ds_tensor``
         partitions; gathered copies are transient). optim_bytes: fp32 master
-        partitions plus the inner torch optimizer's state. grad_bytes: gradient
-        partitions/buffers kept between steps and ``.grad`` of params and masters.
+        partitions plus the inner torch optimizer's state. grad_bytes: gradients held
+        at the last accumulation boundary, just before step() frees them (partitions,
+        buffers, ``.grad`` of params and masters).
         offload_bytes: how much of those DeepSpeed's offload keeps in host memory.
         """
         params = self.parameters()
@@ -177,8 +186,6 @@ class DeepSpeedRunner(StepRunner):
         masters = [t for a in _MASTER_ATTRS for t in _tensors(getattr(opt, a, None))]
         state = list(_tensors(list(inner.state.values())))
         state = [t for t in state if t.dim() > 0]
-        grads = [p.grad for p in params] + [m.grad for m in masters]
-        grads += [t for a in _GRAD_ATTRS for t in _tensors(getattr(opt, a, None))]
         shards = [getattr(p, "ds_tensor", None) for p in params]
         zero = self.config["zero_optimization"]
         offloaded = []
@@ -187,7 +194,8 @@ class DeepSpeedRunner(StepRunner):
         if offload_device(zero, "offload_param") != "none":
             offloaded += shards
         return {"param_bytes": tensor_bytes(params + shards),
-                "grad_bytes": tensor_bytes(grads),
+                "grad_bytes": max(tensor_bytes(self._grad_tensors()),
+                                  getattr(self, "_boundary_grad_bytes", 0)),
                 "optim_bytes": tensor_bytes(masters + state),
                 "offload_bytes": tensor_bytes(offloaded)}
 
