@@ -83,7 +83,8 @@ def test_pipeline_run_reports_its_bubble(pool):
     assert 0 < res["bubble_fraction"] < 1
 
 
-@pytest.mark.parametrize("strategy, backend", [("zero2", "torch"), ("ddp", "deepspeed")])
+@pytest.mark.parametrize("strategy, backend", [("zero2", "torch"), ("zero1", "deepspeed"),
+                                               ("zero3", "deepspeed")])
 def test_measured_memory_matches_the_estimate(pool, strategy, backend):
     run = pool.train(nbpar.TrainConfig(model="tiny_gpt", strategy=strategy, backend=backend,
                                        micro_batch=4, steps=2))

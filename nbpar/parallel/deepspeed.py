@@ -28,6 +28,21 @@ _GRAD_ATTRS = ("averaged_gradients", "grad_partitions_flat_buffer",
                "fp32_groups_gradient_flat_partition")
 
 
+def _view_bytes(tensors) -> int:
+    """Bytes the views reach, per storage: the views' own sizes (distinct regions),
+    but never more than the storage (a flat buffer listed next to its per-parameter views
+    counts once)."""
+    storages: dict = {}
+    for t in tensors:
+        if t is None or t.numel() == 0:
+            continue
+        key = t.untyped_storage().data_ptr()
+        regions = storages.setdefault(key, (t.untyped_storage().nbytes(), set()))[1]
+        regions.add((t.data_ptr(), t.numel() * t.element_size()))
+    return sum(min(limit, sum(size for _, size in regions))
+               for limit, regions in storages.values())
+
+
 def import_deepspeed():
     """Import deepspeed the CPU-safe way: DS_ACCELERATOR=cpu without a GPU, no shm op."""
     device.deepspeed_env()
@@ -149,16 +164,19 @@ class DeepSpeedRunner(StepRunner):
             loss = self.loss_fn(self.engine(x).float(), y)
             self.engine.backward(loss)
             if i == len(micro_batches) - 1:  # DeepSpeed frees its gradients inside step()
-                self._boundary_grad_bytes = tensor_bytes(self._grad_tensors())
+                self._boundary_grad_bytes = self._grad_bytes()
             self.engine.step()
             losses.append(loss.detach().float())
         return torch.stack(losses).mean()
 
-    def _grad_tensors(self) -> list:
+    def _grad_bytes(self) -> int:
+        """``.grad`` of params and masters, plus DeepSpeed's gradient partitions counted
+        by their own size: at the boundary a partition can be a view into a parameter's
+        whole gradient (the one that straddles two ranks), which is this rank's share."""
         opt = self.engine.optimizer
         masters = [t for a in _MASTER_ATTRS for t in _tensors(getattr(opt, a, None))]
-        grads = [p.grad for p in self.parameters()] + [m.grad for m in masters]
-        return grads + [t for a in _GRAD_ATTRS for t in _tensors(getattr(opt, a, None))]
+        grads = tensor_bytes([p.grad for p in self.parameters()] + [m.grad for m in masters])
+        return grads + _view_bytes(t for a in _GRAD_ATTRS for t in _tensors(getattr(opt, a, None)))
 
     def parameters(self):
         return list(self.engine.module.parameters())
@@ -194,8 +212,7 @@ class DeepSpeedRunner(StepRunner):
         if offload_device(zero, "offload_param") != "none":
             offloaded += shards
         return {"param_bytes": tensor_bytes(params + shards),
-                "grad_bytes": max(tensor_bytes(self._grad_tensors()),
-                                  getattr(self, "_boundary_grad_bytes", 0)),
+                "grad_bytes": max(self._grad_bytes(), getattr(self, "_boundary_grad_bytes", 0)),
                 "optim_bytes": tensor_bytes(masters + state),
                 "offload_bytes": tensor_bytes(offloaded)}
 
