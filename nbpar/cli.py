@@ -131,7 +131,7 @@ def cmd_estimate(args) -> dict:
 
     try:
         est = estimate_memory(args.params, args.world_size, args.strategy, dp=args.dp,
-                              tp=args.tp or 1, pp=args.pp or 1, optimizer=args.optimizer,
+                              tp=args.tp, pp=args.pp, optimizer=args.optimizer,
                               precision=args.precision, offload=args.offload)
     except (ValueError, TypeError) as err:
         raise UsageError(str(err)) from None

@@ -45,6 +45,15 @@ def test_estimate_json_is_the_classic_table():
     assert doc["per_rank_bytes"]["total"] == 208e9
 
 
+def test_estimate_degrees_default_like_train():
+    out = nbpar("estimate", "--params", "1e9", "--world-size", "4", "--strategy", "tp", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["per_rank_bytes"]["params"] == 1e9 * 4 / 4
+    out = nbpar("estimate", "--params", "1e9", "--world-size", "4", "--strategy", "hybrid",
+                "--dp", "2", "--tp", "3", "--json")
+    assert out.returncode == 2 and "must equal" in out.stderr
+
+
 @pytest.mark.timeout(300)
 def test_bench_launch_measures_both_side_by_side():
     out = nbpar("bench", "launch", "--engines", "2", "--reps", "3", "--json")
