@@ -185,9 +185,10 @@ for stage in (1, 2, 3):
 # %% [markdown]
 # DeepSpeed shards the optimizer from stage 1 on, and keeps an fp32 *master* copy of
 # its shard of the parameters next to the Adam moments even in fp32 (its
-# mixed-precision design), hence 1.5x the torch optimizer bytes below. Between steps
-# stages 1 and 2 hold no gradient buffers at all (freed after the optimizer step);
-# stage 3 keeps its gradient partition and shards the parameters too.
+# mixed-precision design), hence 1.5x the torch optimizer bytes below. Gradients are
+# read at the accumulation boundary, just before the optimizer step frees them: from
+# stage 1 on DeepSpeed already reduces them into each rank's partition (half here), and
+# stage 3 shards the parameters too.
 
 # %% [markdown]
 # ## ZeRO-1, 2, 3 measured, next to the estimate
