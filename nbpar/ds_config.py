@@ -216,6 +216,9 @@ def ds_config_for(cfg, dp_size: int) -> dict:
     _optimizer(d, cfg)
     if stage == 3:
         zero.setdefault("stage3_param_persistence_threshold", 0)
+    # DeepSpeed clips the global gradient norm to 1.0 unless told otherwise; the
+    # single-process reference does not clip, so neither does an unset config
+    d.setdefault("gradient_clipping", 0.0)
     d.setdefault("zero_force_ds_cpu_optimizer", False)
     d.setdefault("steps_per_print", 10 ** 9)
     return d
