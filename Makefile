@@ -14,7 +14,7 @@ export TMPDIR := $(CURDIR)/.tmp
 export MPLBACKEND := Agg
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: setup test test-unit test-notebooks test-browser demo lab bench clean
+.PHONY: setup test test-unit test-notebooks test-browser notebooks demo lab bench clean
 
 setup: $(VENV)/.done
 
@@ -40,9 +40,23 @@ test-browser: setup
 	@mkdir -p .tmp artifacts/browser
 	$(PY) -m pytest -q -p no:randomly --timeout 900 -m browser tests/browser
 
+# Notebook runs keep Jupyter's data dir (notebook trust database) in the checkout too.
+notebooks test-notebooks: export JUPYTER_DATA_DIR := $(CURDIR)/.tmp/jupyter/data
+
 test-notebooks: setup
 	@mkdir -p .tmp
 	$(PY) -m pytest -q --nbval notebooks --timeout 300 -p no:randomly
+
+# Each notebooks/NAME.ipynb is paired with notebooks/src/NAME.py (jupytext percent format):
+# sync them (the side edited last wins), then execute the notebooks in place so their
+# stored outputs, which `make test-notebooks` checks, are current. One notebook:
+# make notebooks NOTEBOOKS=notebooks/02_zero.ipynb
+NOTEBOOKS ?= $(sort $(wildcard notebooks/*.ipynb))
+notebooks: setup
+	@mkdir -p .tmp
+	$(PY) -m jupytext --sync $(NOTEBOOKS)
+	$(PY) -m jupyter nbconvert --to notebook --execute --inplace \
+	    --ExecutePreprocessor.timeout=300 --ExecutePreprocessor.record_timing=False $(NOTEBOOKS)
 
 demo: setup
 	@mkdir -p .tmp artifacts

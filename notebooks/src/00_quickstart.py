@@ -1,3 +1,18 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,src//py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
 # %% [markdown]
 # # 00 · Quickstart: a pool of engines, one process group
 #
@@ -8,7 +23,7 @@
 
 # %%
 import nbpar
-%load_ext nbpar
+# %load_ext nbpar
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -20,7 +35,7 @@ pool
 # contributes 0, rank 1 contributes 1, so every rank ends with 1.
 
 # %%
-%%dist
+# %%dist
 import torch
 import torch.distributed as dist
 
@@ -32,14 +47,14 @@ print(f"rank {dist.get_rank()} of {dist.get_world_size()}: sum = {t.item()}")
 # `--targets` picks ranks; engines keep their variables between cells, like a kernel.
 
 # %%
-%%dist --targets 1
+# %%dist --targets 1
 print("only rank 1 runs this; t is still", t.item())
 
 # %% [markdown]
 # A failing rank shows its own traceback, prefixed with its rank:
 
-# %%
-%%dist
+# %% tags=["raises-exception"]
+# %%dist
 # NBVAL_RAISES_EXCEPTION
 if dist.get_rank() == 1:
     raise ValueError("something went wrong on rank 1 only")

@@ -1,3 +1,18 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,src//py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
 # %% [markdown]
 # # 01 · Distributed data parallel, cell by cell
 #
@@ -8,11 +23,11 @@
 # experiment runs as one line, `pool.train(...)`.
 
 # %%
-%matplotlib inline
+# %matplotlib inline
 import nbpar
 import nbpar.data
 import nbpar.plots
-%load_ext nbpar
+# %load_ext nbpar
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -27,7 +42,7 @@ pool
 # two copies start out different on purpose (we fix that below with DDP).
 
 # %%
-%%dist
+# %%dist
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -49,7 +64,7 @@ print(f"{n_params} parameters, first conv weight {model.conv.weight[0, 0, 0, 0].
 # the whole file set; the sampler decides which samples each rank uses.
 
 # %%
-%%dist
+# %%dist
 from nbpar.data import CIFAR10, cifar10_root
 
 dataset = CIFAR10(cifar10_root(None, seed=0), train=True)
@@ -67,7 +82,7 @@ if rank == 0:
 # see in three epochs, without and with `set_epoch`:
 
 # %%
-%%dist
+# %%dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0)
@@ -76,6 +91,7 @@ for epoch in range(3):
 for epoch in range(3):
     sampler.set_epoch(epoch)
     print(f"set_epoch({epoch}):        {list(sampler)[:6]}")
+
 
 # %% [markdown]
 # Without `set_epoch` the three lines are identical on each rank: the model sees the
@@ -89,7 +105,7 @@ for epoch in range(3):
 # the loss of each rank's shard) are first averaged with an `all_reduce`.
 
 # %%
-%%dist
+# %%dist
 def log0(*args):
     """print on rank 0 only"""
     if dist.get_rank() == 0:
@@ -111,7 +127,7 @@ log0("only rank 0 prints this")
 # applies the same update everywhere and the copies stay identical.
 
 # %%
-%%dist
+# %%dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 ddp_model = DDP(model)
@@ -140,7 +156,7 @@ for epoch in range(2):
 # each rank and compare.
 
 # %%
-%%dist
+# %%dist
 checksum = torch.stack([p.detach().sum() for p in model.parameters()]).sum().reshape(1)
 sums = [torch.zeros(1) for _ in range(world)]
 dist.all_gather(sums, checksum)

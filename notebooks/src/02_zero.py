@@ -1,3 +1,18 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,src//py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
 # %% [markdown]
 # # 02 · ZeRO: sharding what data parallelism copies
 #
@@ -9,14 +24,14 @@
 # each rank really holds.
 
 # %%
-%matplotlib inline
+# %matplotlib inline
 import nbpar
 import nbpar.memory
 import nbpar.models
 import nbpar.plots
 import nbpar.teaching
 from matplotlib.figure import Figure
-%load_ext nbpar
+# %load_ext nbpar
 
 # %% [markdown]
 # ## Why a 13B model does not fit on one GPU
@@ -67,7 +82,7 @@ pool = nbpar.Pool(2)
 pool
 
 # %%
-%%dist
+# %%dist
 # NBVAL_IGNORE_OUTPUT
 import warnings
 import torch
@@ -100,7 +115,7 @@ if rank == 0:
 # keeps tensors under 100k elements whole, which would be all of this small model.
 
 # %%
-%%dist
+# %%dist
 from nbpar.config import TrainConfig
 from nbpar.models import build_model, next_token_loss
 
@@ -131,7 +146,7 @@ print(f"ffn.w1: full shape {tuple(w1.ds_shape)}, this rank stores {w1.ds_tensor.
 # DeepSpeed one: `engine(x)`, `engine.backward(loss)`, `engine.step()`.
 
 # %%
-%%dist
+# %%dist
 from torch.utils.data import DataLoader, DistributedSampler
 from nbpar.data import ByteWindows, pysource_bytes
 

@@ -1,3 +1,18 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,src//py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
 # %% [markdown]
 # # 03 · Pipeline parallelism: GPipe, 1F1B and interleaved schedules
 #
@@ -9,11 +24,11 @@
 # (Megatron-LM, Narayanan et al. 2021) shrinks it to `(p-1)/(v*m+p-1)`.
 
 # %%
-%matplotlib inline
+# %matplotlib inline
 import nbpar
 import nbpar.timeline
 from matplotlib.figure import Figure
-%load_ext nbpar
+# %load_ext nbpar
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -30,7 +45,7 @@ pool
 # and backward (B) of the last step, on every stage, in seconds.
 
 # %%
-%%dist
+# %%dist
 from nbpar.config import GPTConfig, TrainConfig
 from nbpar.train import run_training
 
@@ -42,6 +57,7 @@ for schedule in ("gpipe", "1f1b", "interleaved"):
     out = run_training(cfg, on_finish=lambda runner: timelines.update({schedule:
                                                                        runner.timeline()}))
     losses[schedule] = out["losses"]
+
 
 # %% [markdown]
 # All three compute the same thing; only the order of the work differs, so the losses

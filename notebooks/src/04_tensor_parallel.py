@@ -1,3 +1,18 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,src//py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
 # %% [markdown]
 # # 04 · Tensor parallelism: splitting the matrices of a transformer block
 #
@@ -7,11 +22,11 @@
 # product, and two all-reduces per block stitch the results together.
 
 # %%
-%matplotlib inline
+# %matplotlib inline
 import nbpar
 import nbpar.plots
 import nbpar.teaching
-%load_ext nbpar
+# %load_ext nbpar
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -32,7 +47,7 @@ pool
 # needs: **one** all-reduce for the whole MLP. Checked here against the full product:
 
 # %%
-%%dist
+# %%dist
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -65,7 +80,7 @@ nbpar.teaching.plot_tp_split(d_model=32, ffn_dim=128, tp=2)
 # here all ranks form one tensor-parallel group. Each rank now stores only its shard:
 
 # %%
-%%dist
+# %%dist
 from nbpar.config import GPTConfig, TrainConfig
 from nbpar.models import build_model
 from nbpar.parallel.mesh import ParallelDims
@@ -89,7 +104,7 @@ for name in ("attn.wq", "attn.wo", "ffn.w1", "ffn.w2"):
 # gradient shard must equal the matching slice of the reference gradient.
 
 # %%
-%%dist
+# %%dist
 tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
 targets = torch.roll(tokens, -1, dims=1)
 out, ref_out = model(tokens), reference(tokens)       # (b, s, vocab) each

@@ -1,3 +1,18 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,src//py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
 # %% [markdown]
 # # 05 · Hybrid parallelism: data x tensor x pipeline on one device mesh
 #
@@ -7,11 +22,11 @@
 # over whatever is left. A **device mesh** names each rank's place in that grid.
 
 # %%
-%matplotlib inline
+# %matplotlib inline
 import nbpar
 import nbpar.plots
 from matplotlib.figure import Figure
-%load_ext nbpar
+# %load_ext nbpar
 
 # %% [markdown]
 # ## The mesh
@@ -45,7 +60,7 @@ pool = nbpar.Pool(4)
 pool
 
 # %%
-%%dist
+# %%dist
 import torch.distributed as dist
 from nbpar.parallel.mesh import ParallelDims
 

@@ -1,3 +1,18 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,src//py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
 # %% [markdown]
 # # 06 · Three pitfalls of distributed training, measured
 #
@@ -9,13 +24,13 @@
 #    the extra ranks buy little. Measured per run as `comm_fraction`.
 
 # %%
-%matplotlib inline
+# %matplotlib inline
 import nbpar
 import nbpar.data
 import nbpar.plots
 import nbpar.teaching
 from matplotlib.figure import Figure
-%load_ext nbpar
+# %load_ext nbpar
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -39,6 +54,7 @@ for cfg in (small, accum):
     print(nbpar.data.global_batch_line(cfg.micro_batch, cfg.grad_accum, pool.n))
 run_small = pool.train(small).wait()
 run_accum = pool.train(accum).wait()
+
 
 # %%
 def roughness(losses):

@@ -1,3 +1,18 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,src//py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
 # %% [markdown]
 # # 07 · Checkpoints and monitoring: save, kill, resume, export
 #
@@ -9,7 +24,7 @@
 # state dict and TensorBoard logs.
 
 # %%
-%matplotlib inline
+# %matplotlib inline
 import os
 import signal
 import tempfile
@@ -19,7 +34,7 @@ import nbpar
 import nbpar.checkpoint
 import nbpar.export
 import nbpar.plots
-%load_ext nbpar
+# %load_ext nbpar
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -48,7 +63,7 @@ run = pool.train(cfg)
 # Once the run is past step 25, rank 1's engine process gets `SIGKILL`: no clean-up, no
 # chance to save, like a crashed node. The run fails at once with `EngineDied`.
 
-# %%
+# %% tags=["raises-exception"]
 # NBVAL_IGNORE_OUTPUT
 # NBVAL_RAISES_EXCEPTION
 while not any(rec["step"] >= 25 for rec in run.history):

@@ -1,3 +1,18 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,src//py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
 # %% [markdown]
 # # 08 · Strategy explorer: pick, run, compare
 #
@@ -7,10 +22,10 @@
 # per rank, step time, communication share and final loss.
 
 # %%
-%matplotlib inline
+# %matplotlib inline
 import nbpar
 from nbpar.dashboard import Dashboard
-%load_ext nbpar
+# %load_ext nbpar
 
 # %%
 # NBVAL_IGNORE_OUTPUT
