@@ -110,6 +110,52 @@ def synchronize(backend: str) -> None:
         torch.cuda.synchronize()
 
 
+def half_precision_support(backend: str) -> dict[str, bool]:
+    """Which half-precision dtypes this host computes natively: {"bf16": .., "fp16": ..}.
+
+    On CPU, oneDNN's own probes: fp16 needs AVX512-FP16 or AMX-FP16 (recent Intel
+    server CPUs; DeepSpeed's CPU accelerator refuses fp16 without them), bf16 runs
+    everywhere (emulated where AVX512-BF16/AMX are absent). On GPUs, what CUDA reports.
+    """
+    import torch
+
+    if backend == "nccl":
+        return {"bf16": torch.cuda.is_bf16_supported(), "fp16": True}
+    try:
+        fp16 = bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        fp16 = False
+    return {"bf16": True, "fp16": fp16}
+
+
+def cpu_model() -> str:
+    """The CPU's model name ("unknown CPU" where /proc/cpuinfo does not say)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def check_precision(precision: str, backend: str | None = None) -> None:
+    """Raise ValueError (reason and way out, one line) when this host cannot run
+    ``precision`` ("fp32", "bf16", "fp16") on ``backend`` (default: the local one)."""
+    if precision == "fp32":
+        return
+    backend = backend or default_backend()
+    if half_precision_support(backend)[precision]:
+        return
+    if backend == "nccl":
+        raise ValueError(f"precision {precision!r} is not supported by this GPU "
+                         f"({gpu_name()}): use 'fp16' or 'fp32'")
+    other = "bf16" if precision == "fp16" else "fp32"
+    raise ValueError(f"precision {precision!r} on this CPU ({cpu_model()}) needs AVX512-FP16 "
+                     f"or AMX-FP16, which it lacks: use precision {other!r}")
+
+
 def deepspeed_env() -> None:
     """Make DeepSpeed run on CPU without a compiler when no GPU is visible."""
     if accelerator_count() == 0:

@@ -38,3 +38,17 @@ def pool():
     p = nbpar.Pool(2, replace=False)
     yield p
     p.shutdown()
+
+
+@pytest.fixture
+def half_precision(monkeypatch):
+    """Pretend this host's CPU does (True) or does not (False) compute fp16 natively:
+    ``half_precision(fp16=False)``. Both sides of the capability check are tested
+    whichever CPU the tests happen to run on."""
+    from nbpar import device
+
+    def fake(fp16: bool, bf16: bool = True):
+        monkeypatch.setattr(device, "half_precision_support",
+                            lambda backend: {"bf16": bf16, "fp16": fp16})
+
+    return fake

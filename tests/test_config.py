@@ -28,7 +28,8 @@ BAD = [
     (dict(strategy="pipeline", backend="deepspeed",
           deepspeed_config={"zero_optimization": {"stage": 2}}), 2,
      "DeepSpeed's PipelineModule supports ZeRO stage 0/1 only"),
-    (dict(strategy="ddp", deepspeed_config={}), 2, "deepspeed_config needs backend='deepspeed'"),
+    (dict(strategy="ddp", backend="torch", deepspeed_config={}), 2,
+     "deepspeed_config needs backend='deepspeed'"),
     (dict(strategy="ddp", dp=3), 2, "must equal the number of engines"),
     (dict(strategy="ddp", tp=2), 2, "does not split along tp"),
     (dict(strategy="hybrid"), 4, "strategy 'hybrid' needs explicit degrees"),
@@ -78,7 +79,8 @@ def test_default_degrees(kwargs, world, expect):
     assert dims.shape == expect
 
 
-def test_valid_deepspeed_and_pipeline_configs_pass(tmp_path):
+def test_valid_deepspeed_and_pipeline_configs_pass(tmp_path, half_precision):
+    half_precision(fp16=True)
     TrainConfig(strategy="pipeline", schedule="gpipe").validate(2)
     TrainConfig(strategy="zero3", backend="deepspeed", offload="params",
                 precision="fp16").validate(2)
@@ -87,7 +89,7 @@ def test_valid_deepspeed_and_pipeline_configs_pass(tmp_path):
     with pytest.raises(ValueError, match="supports ZeRO stage 0/1 only"):
         TrainConfig(strategy="pipeline", backend="deepspeed",
                     deepspeed_config=str(path)).validate(2)
-    with pytest.raises(ValueError, match="not a readable JSON file"):
+    with pytest.raises(ValueError, match="cannot read DeepSpeed config file.*missing.json"):
         TrainConfig(strategy="ddp", backend="deepspeed",
                     deepspeed_config=str(tmp_path / "missing.json")).validate(2)
 

@@ -76,12 +76,15 @@ def _reference():
 def test_ddp_step_matches_single_process(ddp_runs, i):
     ref_grads, ref_params = _reference()
     x, y = _batch(8)
+    # The mean of two half-batch gradients against one whole-batch gradient: the sums run
+    # in another order, and oneDNN picks the convolution kernel by CPU (seen on an AMD
+    # EPYC: 1.5e-6 on a 0.04 gradient), so fp32 agreement is checked to 1e-5 / 1e-4.
     for rank in range(2):
         r = ddp_runs[rank][i]
         for g, rg in zip(r["grads"], ref_grads):
-            torch.testing.assert_close(torch.from_numpy(g), rg, atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(torch.from_numpy(g), rg, atol=1e-5, rtol=1e-4)
         for p, rp in zip(r["params"], ref_params):
-            torch.testing.assert_close(torch.from_numpy(p), rp, atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(torch.from_numpy(p), rp, atol=1e-5, rtol=1e-4)
     mean_loss = (ddp_runs[0][i]["loss"] + ddp_runs[1][i]["loss"]) / 2
     torch.testing.assert_close(mean_loss, _reference_loss(), atol=1e-6, rtol=0)
     r = ddp_runs[0][i]
