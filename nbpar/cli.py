@@ -41,27 +41,50 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
+
+
+# CLI flag (argparse dest) -> TrainConfig field, for the flags that set one
+TRAIN_FIELDS = ("strategy", "backend", "dp", "tp", "pp", "schedule", "model", "dataset",
+                "steps", "micro_batch", "grad_accum", "lr", "optimizer", "grad_clip",
+                "precision", "offload", "deepspeed_config", "seed", "checkpoint_dir",
+                "checkpoint_every", "resume_from")
+
+
 def build_parser() -> _Parser:
     p = _Parser(prog="nbpar", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     t = sub.add_parser("train", help="train on a fresh pool and report losses, memory, timing")
     t.add_argument("--engines", type=_positive_int, default=None)
-    t.add_argument("--strategy", choices=STRATEGIES, default="ddp")
-    t.add_argument("--backend", choices=("torch", "deepspeed"), default="torch")
+    # training flags default to None: what is not given comes from --deepspeed-config
+    # when there is one, else from TrainConfig's defaults
+    t.add_argument("--strategy", choices=STRATEGIES, default=None)
+    t.add_argument("--backend", choices=("torch", "deepspeed"), default=None)
     for dim in ("dp", "tp", "pp"):
         t.add_argument(f"--{dim}", type=_positive_int, default=None)
     t.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default=None)
-    t.add_argument("--model", choices=("simple_cnn", "tiny_gpt"), default="tiny_gpt")
+    t.add_argument("--model", choices=("simple_cnn", "tiny_gpt"), default=None)
     t.add_argument("--dataset", default=None)
-    t.add_argument("--steps", type=_positive_int, default=20)
-    t.add_argument("--micro-batch", type=_positive_int, default=8)
-    t.add_argument("--grad-accum", type=_positive_int, default=1)
-    t.add_argument("--lr", type=_positive_float, default=1e-3)
-    t.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
-    t.add_argument("--offload", choices=("none", "optimizer", "params"), default="none")
-    t.add_argument("--deepspeed-config", default=None, help="path to a ds_config.json")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--steps", type=_positive_int, default=None)
+    t.add_argument("--micro-batch", type=_positive_int, default=None)
+    t.add_argument("--grad-accum", type=_positive_int, default=None)
+    t.add_argument("--lr", type=_positive_float, default=None)
+    t.add_argument("--optimizer", choices=("adam", "adamw", "sgd"), default=None)
+    t.add_argument("--grad-clip", type=_non_negative_float, default=None,
+                   help="clip the global gradient norm; 0 = never (the default)")
+    t.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None)
+    t.add_argument("--offload", choices=("none", "optimizer", "params"), default=None)
+    t.add_argument("--deepspeed-config", default=None,
+                   help="path to a ds_config.json; flags not given are taken from it")
+    t.add_argument("--seed", type=int, default=None)
     t.add_argument("--checkpoint-dir", default=None)
     t.add_argument("--checkpoint-every", type=_positive_int, default=None)
     t.add_argument("--resume-from", default=None, help="a checkpoint dir or one step_* folder")
@@ -88,29 +111,28 @@ def build_parser() -> _Parser:
 
 
 def train_config(args):
-    """TrainConfig from CLI args; (cfg, engines), validated before any engine starts."""
+    """TrainConfig from CLI args; (cfg, engines), validated before any engine starts.
+
+    Only the flags given reach the TrainConfig, so a --deepspeed-config decides the rest.
+    """
     from nbpar.config import TrainConfig
 
+    given = {name: getattr(args, name) for name in TRAIN_FIELDS
+             if getattr(args, name) is not None}
+    try:
+        cfg = TrainConfig(**given)
+    except (ValueError, TypeError) as err:
+        raise UsageError(str(err)) from None
     engines = args.engines
     if engines is None:
+        engines = 1 if cfg.strategy == "single" else 2
         dims = [d for d in (args.dp, args.tp, args.pp) if d]
-        engines = 1 if args.strategy == "single" else 2
         if dims:
             engines = 1
             for d in dims:
                 engines *= d
-    if args.strategy == "single" and engines != 1:
+    if cfg.strategy == "single" and engines != 1:
         raise UsageError("--strategy single is the one-process reference: use --engines 1")
-    cfg = TrainConfig(model=args.model, dataset=args.dataset, strategy=args.strategy,
-                      backend=args.backend, dp=args.dp, tp=args.tp, pp=args.pp,
-                      micro_batch=args.micro_batch, grad_accum=args.grad_accum,
-                      steps=args.steps, lr=args.lr, precision=args.precision,
-                      offload=args.offload, seed=args.seed,
-                      deepspeed_config=args.deepspeed_config,
-                      checkpoint_dir=args.checkpoint_dir,
-                      checkpoint_every=args.checkpoint_every or 0,
-                      resume_from=args.resume_from,
-                      **({"schedule": args.schedule} if args.schedule else {}))
     try:
         cfg.validate(engines)
     except (ValueError, TypeError, FileNotFoundError) as err:

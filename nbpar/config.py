@@ -7,7 +7,8 @@ one sentence instead of a hang inside a collective. Degrees become a
 """
 from __future__ import annotations
 
-import json
+import copy
+import functools
 from dataclasses import asdict, dataclass, field, fields
 
 from nbpar.parallel.mesh import ParallelDims
@@ -18,7 +19,7 @@ STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "pipeline", "tp", "hyb
 BACKENDS = ("torch", "deepspeed")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 PRECISIONS = ("fp32", "bf16", "fp16")
-OPTIMIZERS = ("adam", "sgd")
+OPTIMIZERS = ("adam", "adamw", "sgd")
 OFFLOADS = ("none", "optimizer", "params")
 DATA_PARALLEL = ("ddp", "zero1", "zero2", "zero3")
 PIPELINED = ("pipeline", "hybrid")
@@ -100,7 +101,17 @@ class TrainConfig:
     lr: float = 1e-3
     """learning rate"""
     optimizer: str = "adam"
-    """"adam" (torch.optim.Adam) or "sgd" (torch.optim.SGD, no momentum)"""
+    """"adam" (torch.optim.Adam), "adamw" (torch.optim.AdamW, decoupled weight decay) or
+    "sgd" (torch.optim.SGD)"""
+    optimizer_params: dict | None = None
+    """more keyword arguments of the optimizer, e.g. {"betas": [0.9, 0.95], "eps": 1e-8,
+    "weight_decay": 0.1}; weight decay defaults to 0 for every kind (DeepSpeed's default)"""
+    grad_clip: float = 0.0
+    """clip the global gradient norm to this before each optimizer step; 0 = never"""
+    lr_schedule: dict | None = None
+    """a learning-rate schedule in DeepSpeed's "scheduler" format, e.g. {"type":
+    "WarmupLR", "params": {"warmup_num_steps": 10}}, run alike on every backend
+    (see `nbpar.lr_schedule`); None = constant lr"""
     precision: str = "fp32"
     """fp32 | bf16 (autocast) | fp16 (deepspeed only: it brings the loss scaler)"""
     offload: str = "none"
@@ -110,7 +121,11 @@ class TrainConfig:
     fsdp_reshard: bool | None = None
     """FSDP2 reshard_after_forward; None = False for zero2, True for zero3"""
     deepspeed_config: dict | str | None = None
-    """a ds_config dict or the path of a ds_config.json (backend deepspeed only)"""
+    """a ds_config dict or the path of a ds_config.json; it is read when the TrainConfig is
+    made, and every field not given explicitly is taken from it (stage -> strategy,
+    micro-batch, accumulation, precision, offload, optimizer, lr, clipping, scheduler;
+    backend becomes "deepspeed"); its "auto" values are filled from the TrainConfig.
+    A field given explicitly that disagrees with the config is an error."""
     gpt: GPTConfig = field(default_factory=GPTConfig)
     """sizes of tiny_gpt"""
     checkpoint_dir: str | None = None
@@ -200,16 +215,22 @@ class TrainConfig:
         if self.model == "tiny_gpt" and self.gpt.vocab_size < 256:
             raise ValueError(f"gpt.vocab_size={self.gpt.vocab_size} is too small for byte-level "
                              f"text; it must be >= 256")
+        self._validate_optimizer()
         self._validate_strategy()
         self._validate_degrees(world_size)
         if self.deepspeed_config is not None:
             self._validate_ds_config()
-            if world_size is not None and self.strategy in ("ddp", "zero1", "zero2", "zero3"):
+            if world_size is not None:
+                self._fit_train_batch_size(world_size)
                 # a ds_config that disagrees with this config (micro batch, stage,
                 # precision, ...) is refused here, before any engine starts
                 from nbpar.ds_config import ds_config_for
 
                 ds_config_for(self, self.dims(world_size).dp)
+        if self.precision != "fp32":  # what this host's CPU or GPU can compute
+            from nbpar import device
+
+            device.check_precision(self.precision)
         if self.resume_from is not None:  # missing/corrupt/other model: before engines work
             from nbpar.checkpoint_meta import check_resume
             check_resume(self, world_size)
@@ -277,31 +298,69 @@ class TrainConfig:
                 raise ValueError(f"schedule {self.schedule!r} with pp={pp} needs {stages} "
                                  f"layers, gpt.n_layers={self.gpt.n_layers}")
 
-    def ds_config_dict(self) -> dict | None:
-        """``deepspeed_config`` as a dict (reads the file when it is a path)."""
-        c = self.deepspeed_config
-        if c is None or isinstance(c, dict):
-            return c
-        try:
-            with open(c) as f:
-                return json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"deepspeed_config {c!r} is not a readable JSON file: {e}") from None
+    def _validate_optimizer(self) -> None:
+        from nbpar.ds_config import OPTIMIZER_PARAMS
+
+        params = self.optimizer_params or {}
+        if not isinstance(params, dict):
+            raise ValueError(f"optimizer_params must be a dict, got {params!r}")
+        bad = sorted(set(params) - set(OPTIMIZER_PARAMS[self.optimizer]))
+        if bad:
+            raise ValueError(f"optimizer_params {', '.join(bad)} do not apply to optimizer "
+                             f"{self.optimizer!r}; it takes "
+                             f"{', '.join(OPTIMIZER_PARAMS[self.optimizer])}")
+        if isinstance(self.grad_clip, bool) or not isinstance(self.grad_clip, (int, float)) \
+                or self.grad_clip < 0:
+            raise ValueError(f"grad_clip must be a number >= 0, got {self.grad_clip!r}")
+        if self.lr_schedule is not None:
+            from nbpar.lr_schedule import resolve
+
+            resolve(self.lr_schedule, self.lr, self.steps)
 
     def _validate_ds_config(self) -> None:
-        d = self.ds_config_dict()
-        if not isinstance(d, dict):
-            raise ValueError(f"deepspeed_config must be a dict or a JSON file path, got {d!r}")
-        zero = d.get("zero_optimization") or {}
+        if not isinstance(self.deepspeed_config, dict):
+            raise ValueError(f"deepspeed_config must be a dict or a JSON file path, "
+                             f"got {self.deepspeed_config!r}")
+        zero = self.deepspeed_config.get("zero_optimization") or {}
         stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
         if self.strategy in PIPELINED and stage in (2, 3):
             raise ValueError(f"DeepSpeed's PipelineModule supports ZeRO stage 0/1 only, "
                              f"deepspeed_config asks for stage {stage}")
-        try:
-            from nbpar.ds_config import validate_ds_config
-        except ImportError:
+
+    def _fit_train_batch_size(self, world_size: int) -> None:
+        """A config that gives ``train_batch_size`` without the micro-batch (or the
+        accumulation) decides it: global = micro x accumulation x dp (DeepSpeed's rule)."""
+        d = self.deepspeed_config
+        total = d.get("train_batch_size")
+        if not isinstance(total, int) or isinstance(total, bool):
             return
-        validate_ds_config(d)
+        dp = self.dims(world_size).dp
+        for name, key, other in (("micro_batch", "train_micro_batch_size_per_gpu", "grad_accum"),
+                                 ("grad_accum", "gradient_accumulation_steps", "micro_batch")):
+            if name in self._explicit or isinstance(d.get(key), int):
+                continue
+            per = getattr(self, other) * dp
+            if total % per:
+                raise ValueError(f"deepspeed_config's train_batch_size={total} is not a "
+                                 f"multiple of {other}={getattr(self, other)} x dp={dp}")
+            setattr(self, name, total // per)
+            return
+
+    def _adopt_deepspeed_config(self) -> None:
+        """Read ``deepspeed_config`` (a path becomes the dict it holds) and take from it
+        every field that was not given explicitly."""
+        if self.deepspeed_config is None:
+            return
+        from nbpar.ds_config import load_ds_config, train_settings
+
+        self.deepspeed_config = load_ds_config(self.deepspeed_config)
+        settings = train_settings(self.deepspeed_config)
+        settings.setdefault("backend", "deepspeed")
+        if self.strategy in PIPELINED or "strategy" in self._explicit:
+            settings.pop("strategy", None)  # a pipeline's stage is its ZeRO 0/1 only
+        for name, value in settings.items():
+            if name not in self._explicit:
+                setattr(self, name, copy.deepcopy(value))
 
     # ---- serialisation --------------------------------------------------
     def to_dict(self) -> dict:
@@ -324,3 +383,21 @@ class TrainConfig:
                 raise ValueError(f"unknown GPTConfig field(s) {', '.join(bad)}")
             gpt = GPTConfig(**gpt)
         return cls(**d, **({"gpt": gpt} if gpt is not None else {}))
+
+
+def _explicit_fields(cls):
+    """Wrap the dataclass ``__init__`` so a TrainConfig remembers which fields were
+    given (``_explicit``): a ds_config decides only the others."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, **kwargs):
+        init(self, **kwargs)
+        self._explicit = frozenset(kwargs)
+        self._adopt_deepspeed_config()
+
+    cls.__init__ = __init__
+    return cls
+
+
+TrainConfig = _explicit_fields(TrainConfig)

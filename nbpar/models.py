@@ -9,11 +9,14 @@ column-wise and ``wo``/``w2`` row-wise (Megatron-LM, Shoeybi et al. 2019).
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nbpar.config import GPTConfig
+if TYPE_CHECKING:  # sizes only; config.py checks resumes with a model (no cycle at run time)
+    from nbpar.config import GPTConfig
 
 
 class SimpleCNN(nn.Module):

@@ -131,10 +131,12 @@ def run_training(cfg: TrainConfig | dict, *, publish=None, should_stop=None,
     try:
         model = build_model(cfg).to(dev)
         runner = build_runner(model, cfg, mesh)
+        runner.set_update_rule(cfg, mesh.get_group("pp") if dims.pp > 1 else None)
         loader = build_loader(cfg, dims.coords(rank)["dp"], dims.dp, epoch=0)
         batches = _Batches(loader, dev)
         start = 0 if cfg.resume_from is None else checkpoint.resume(
             cfg, runner, batches, rank=rank, world=world, distributed=on)
+        runner.steps_taken = start
         result = _loop(cfg, runner, batches, mesh, dims, rank, world, dev,
                        pg_backend, publish, should_stop, start=start, distributed=on)
         if on_finish is not None:

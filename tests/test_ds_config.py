@@ -19,7 +19,8 @@ CLASSIC = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1
 
 def cfg(**kw):
     fields = dict(strategy="zero3", micro_batch=8, grad_accum=1, precision="fp16",
-                  offload="optimizer", lr=1e-3, optimizer="adam", deepspeed_config=None)
+                  offload="optimizer", lr=1e-3, optimizer="adam", deepspeed_config=None,
+                  optimizer_params=None, grad_clip=0.0, lr_schedule=None, steps=20)
     return types.SimpleNamespace(**{**fields, **kw})
 
 

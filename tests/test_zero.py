@@ -77,7 +77,8 @@ def reference(lr: float = LR):
 def make_cfg(strategy, backend="torch", **kw):
     fields = dict(model="test", strategy=strategy, backend=backend, micro_batch=B,
                   grad_accum=ACCUM, lr=LR, optimizer="adam", precision="fp32",
-                  offload="none", fsdp_reshard=None, deepspeed_config=None)
+                  offload="none", fsdp_reshard=None, deepspeed_config=None,
+                  optimizer_params=None, grad_clip=0.0, lr_schedule=None, steps=STEPS)
     return types.SimpleNamespace(**{**fields, **kw})
 
 

@@ -25,14 +25,18 @@ DISPATCH = {
 
 
 def make_optimizer(params, cfg):
-    """adam -> torch.optim.Adam(lr), sgd -> torch.optim.SGD(lr); same on every strategy."""
+    """The torch optimizer of ``cfg``: Adam, AdamW or SGD with ``cfg.lr`` and
+    ``cfg.optimizer_params``; weight decay 0 unless given (DeepSpeed's default)."""
     import torch
 
-    if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr)
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr)
-    raise ValueError(f"optimizer={cfg.optimizer!r} is not supported; choose adam or sgd")
+    classes = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+    if cfg.optimizer not in classes:
+        raise ValueError(f"optimizer={cfg.optimizer!r} is not supported; choose "
+                         f"{', '.join(classes)}")
+    kwargs = {"weight_decay": 0.0, **(cfg.optimizer_params or {})}
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    return classes[cfg.optimizer](params, lr=cfg.lr, **kwargs)
 
 
 def autocast_dtype(cfg):

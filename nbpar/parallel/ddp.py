@@ -48,7 +48,7 @@ class DDPRunner(StepRunner):
             sync = self.model.no_sync() if i < n - 1 else contextlib.nullcontext()
             with sync:
                 losses.append(self.forward_backward(x, y, 1.0 / n))
-        self.optimizer.step()
+        self.optimizer_step()
         return torch.stack(losses).mean()
 
     def close(self) -> None:

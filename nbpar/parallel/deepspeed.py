@@ -17,7 +17,7 @@ import warnings
 import torch
 
 from nbpar import device
-from nbpar.ds_config import ds_config_for, offload_device
+from nbpar.ds_config import DEEPSPEED_ONLY_PARAMS, ds_config_for, offload_device, optimizer_kind
 from nbpar.parallel.runner import StepRunner, tensor_bytes
 
 # optimizer attributes that hold fp32 master copies (stage 0-3, bf16/fp16 wrappers)
@@ -79,19 +79,13 @@ def client_optimizer(section: dict, params) -> torch.optim.Optimizer:
     DeepSpeed's "Adam" defaults to ``adam_w_mode`` (decoupled weight decay) with
     weight_decay 0, which torch.optim.AdamW reproduces without compiled ops.
     """
-    kind = str(section.get("type", "")).lower()
-    p = dict(section.get("params", {}))
-    adam_w = p.pop("adam_w_mode", True)
-    for ignored in ("torch_adam", "bias_correction", "fused"):
-        p.pop(ignored, None)
-    if kind in ("adam", "adamw"):
-        p.setdefault("weight_decay", 0.0)
-        cls = torch.optim.AdamW if kind == "adamw" or adam_w else torch.optim.Adam
-        return cls(params, **p)
-    if kind == "sgd":
-        return torch.optim.SGD(params, **p)
-    raise ValueError(f"optimizer type {section.get('type')!r} needs DeepSpeed's compiled ops; "
-                     f"use Adam, AdamW or SGD")
+    kind = optimizer_kind(section)
+    p = {k: v for k, v in (section.get("params") or {}).items()
+         if k not in DEEPSPEED_ONLY_PARAMS}
+    if "betas" in p:
+        p["betas"] = tuple(p["betas"])
+    classes = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+    return classes[kind](params, **{"weight_decay": 0.0, **p})
 
 
 class MeshMPU:
@@ -169,6 +163,10 @@ class DeepSpeedRunner(StepRunner):
             losses.append(loss.detach().float())
         return torch.stack(losses).mean()
 
+    def set_update_rule(self, cfg, pp_group=None) -> None:
+        """Nothing to do: the engine clips and schedules as its config says
+        (`nbpar.ds_config.ds_config_for` wrote the TrainConfig's values there)."""
+
     def _grad_bytes(self) -> int:
         """``.grad`` of params and masters, plus DeepSpeed's gradient partitions counted
         by their own size: at the boundary a partition can be a view into a parameter's
@@ -222,16 +220,16 @@ class DeepSpeedRunner(StepRunner):
         engine, self.engine = getattr(self, "engine", None), None
         self.model = self.optimizer = None
         if engine is not None:
-            _release(engine)
+            release(engine)
         del engine
         gc.collect()
 
 
-def _release(engine) -> None:
+def release(engine) -> None:
     """``engine.destroy()`` plus what it leaves behind in deepspeed 0.19: the
     engine's forward hooks on the user's module, and ZeRO-3's module-level
     ``FWD_MODULE_STACK``, which keeps the root module (and through its hooks
-    the whole engine) alive forever."""
+    the whole engine) alive forever, and its global mpu (a pipeline's grid)."""
     module = engine.module
     if hasattr(engine, "destroy"):
         engine.destroy()
@@ -242,6 +240,11 @@ def _release(engine) -> None:
     for p in module.parameters():
         if hasattr(p, "ds_tensor"):  # ZeRO-3 attributes point back into the optimizer
             p.__dict__.clear()
+    # the engine's mpu (a pipeline's grid) stays DeepSpeed's global one, and the next
+    # engine in this process would take its model-parallel size from it
+    from deepspeed.utils import groups
+
+    groups.mpu = None
     try:
         from deepspeed.runtime.zero import parameter_offload
     except ImportError:

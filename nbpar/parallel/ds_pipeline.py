@@ -8,12 +8,12 @@ optimizer. DeepSpeed allows ZeRO stage 0 or 1 only with its pipeline engine
 """
 from __future__ import annotations
 
-import json
-
 import torch
 from torch import nn
 
-from . import make_optimizer
+from nbpar.ds_config import ds_config_for
+
+from .deepspeed import client_optimizer, import_deepspeed, release
 from .runner import StepRunner
 
 PIPELINE_ZERO_STAGES = (0, 1)
@@ -47,20 +47,9 @@ def pipeline_layers(model: nn.Module) -> list[nn.Module]:
     return [Embedding(model.tok_emb, model.pos_emb), *blocks, Head(model.norm, model.head)]
 
 
-def user_ds_config(cfg) -> dict:
-    """``cfg.deepspeed_config`` as a dict (it may be a path to a ds_config.json)."""
-    value = getattr(cfg, "deepspeed_config", None)
-    if value is None:
-        return {}
-    if isinstance(value, str):
-        with open(value) as f:
-            return json.load(f)
-    return dict(value)
-
-
 def zero_stage(cfg) -> int:
     """The ZeRO stage asked for, validated against the pipeline engine's limit."""
-    stage = user_ds_config(cfg).get("zero_optimization", {}).get("stage", 0)
+    stage = ((cfg.deepspeed_config or {}).get("zero_optimization") or {}).get("stage", 0)
     if cfg.strategy in ("zero1", "zero2", "zero3"):
         stage = int(cfg.strategy[-1])
     if stage not in PIPELINE_ZERO_STAGES:
@@ -70,26 +59,13 @@ def zero_stage(cfg) -> int:
 
 
 def ds_config(cfg, dp: int) -> dict:
-    """The DeepSpeed config of a pipeline run; the user's config wins where it is set."""
-    config = {
-        "train_micro_batch_size_per_gpu": cfg.micro_batch,
-        "gradient_accumulation_steps": cfg.grad_accum,
-        "train_batch_size": cfg.micro_batch * cfg.grad_accum * dp,
-        "zero_optimization": {"stage": zero_stage(cfg)},
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
-    if cfg.precision == "bf16":
-        config["bf16"] = {"enabled": True}
-    elif cfg.precision == "fp16":
+    """The DeepSpeed config of a pipeline run: the one every DeepSpeed run gets
+    (`nbpar.ds_config.ds_config_for`), on ZeRO stage 0 or 1."""
+    zero_stage(cfg)
+    if cfg.precision == "fp16":
         raise ValueError("DeepSpeed pipeline runs here in precision fp32 or bf16, got 'fp16'")
-    user = user_ds_config(cfg)
-    for key, value in user.items():
-        if key == "zero_optimization":
-            config[key] = {**value, "stage": config[key]["stage"]}
-        elif key not in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                         "train_batch_size"):
-            config[key] = value
+    config = ds_config_for(cfg, dp)
+    config.setdefault("wall_clock_breakdown", False)
     return config
 
 
@@ -123,24 +99,25 @@ class DeepSpeedPipelineRunner(StepRunner):
         self.engine.train_batch(data_iter=iter(micro_batches))
         return self.engine.dp_group_loss.detach().float().reshape(())
 
+    def set_update_rule(self, cfg, pp_group=None) -> None:
+        """Nothing to do: the engine clips and schedules as its config says."""
+
     def parameters(self):
         return list(self.engine.module.parameters())
 
     def close(self) -> None:
-        self.engine = self.model = None
+        engine, self.engine, self.model = self.engine, None, None
+        if engine is not None:
+            release(engine)
         super().close()
 
 
 def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> DeepSpeedPipelineRunner:
     """DeepSpeed PipelineModule + engine for ``model`` over all ranks of ``mesh``."""
     validate(cfg, mesh, len(model.layers))
-    from nbpar.device import deepspeed_env
-
-    deepspeed_env()
-    import deepspeed
+    deepspeed = import_deepspeed()  # CPU-safe: no C++ build, no linker noise
     from deepspeed.pipe import PipelineModule
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no C++ build
     if loss_fn is None:
         from nbpar.models import loss_fn as make_loss
 
@@ -150,8 +127,9 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> DeepSpeedPipel
                                auto_mpi_discovery=False)
     module = PipelineModule(layers=pipeline_layers(model), num_stages=pp, loss_fn=loss_fn,
                             partition_method="uniform")
-    optimizer = make_optimizer(list(module.parameters()), cfg)
+    config = ds_config(cfg, dp)
+    optimizer = client_optimizer(config.pop("optimizer"), list(module.parameters()))
     engine, optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer,
-                                                   config=ds_config(cfg, dp))
+                                                   config=config)
     return DeepSpeedPipelineRunner(engine, optimizer, loss_fn,
                                    device_type=mesh.device_type)

@@ -201,7 +201,7 @@ class PipelineRunner(StepRunner):
         self.schedule.step(*args, target=y if last else None,
                            losses=losses if last else None)
         self.reduce_data_parallel_grads()
-        self.optimizer.step()
+        self.optimizer_step()
         # The schedule averages each micro-batch loss and divides the
         # gradients by m (scale_grads): both equal the global-batch mean.
         loss = (torch.stack([l.detach().float() for l in losses]).mean() if last

@@ -31,6 +31,26 @@ def tensor_bytes(tensors) -> int:
     return total
 
 
+def clip_grad_norm(params, max_norm: float, pp_group=None) -> float:
+    """Scale gradients so their global 2-norm is at most ``max_norm``; returns the norm.
+
+    Sharded (DTensor) gradients are reduced over their mesh, pipeline stages over
+    ``pp_group`` (torchtitan's recipe), so every rank scales by the same factor.
+    """
+    import torch.distributed as dist
+
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, 2.0)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    if pp_group is not None:
+        norm = norm ** 2
+        dist.all_reduce(norm, group=pp_group)
+        norm = norm ** 0.5
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return float(norm)
+
+
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer):
     for state in optimizer.state.values():
         for v in state.values():
@@ -73,8 +93,40 @@ class StepRunner:
         self.optimizer.zero_grad(set_to_none=True)
         scale = 1.0 / len(micro_batches)
         losses = [self.forward_backward(x, y, scale) for x, y in micro_batches]
-        self.optimizer.step()
+        self.optimizer_step()
         return torch.stack(losses).mean()
+
+    # ---- the update rule every torch strategy shares: clip, schedule, step
+    max_grad_norm: float = 0.0
+    lr_schedule = None
+    steps_taken: int = 0
+    norm_group = None
+
+    def set_update_rule(self, cfg, pp_group=None) -> None:
+        """Clip to ``cfg.grad_clip`` and follow ``cfg.lr_schedule`` (DeepSpeed's
+        semantics, `nbpar.lr_schedule`); ``pp_group`` joins the gradient norm of
+        pipeline stages, which each hold some of the parameters."""
+        from nbpar.lr_schedule import Schedule, resolve
+
+        self.max_grad_norm = float(cfg.grad_clip)
+        self.norm_group = pp_group
+        if cfg.lr_schedule:
+            self.lr_schedule = Schedule(resolve(cfg.lr_schedule, cfg.lr, cfg.steps), cfg.lr)
+
+    def optimizer_step(self) -> None:
+        """One optimizer step: clip the global gradient norm, set the scheduled lr
+        (and OneCycle's betas) for this step, step."""
+        if self.max_grad_norm > 0:
+            clip_grad_norm(self.parameters(), self.max_grad_norm, self.norm_group)
+        if self.lr_schedule is not None:
+            it = self.steps_taken - 1  # step k runs with the value after k scheduler steps
+            lr, betas = self.lr_schedule.lr(it), self.lr_schedule.betas(it)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+                if betas is not None and "betas" in group:
+                    group["betas"] = betas
+        self.optimizer.step()
+        self.steps_taken += 1
 
     def parameters(self):
         return list(self.model.parameters())

@@ -120,7 +120,7 @@ class TensorParallelRunner(StepRunner):
             losses.append(self.forward_backward(x, y, scale))
         if self.dp_group is not None:
             self.all_reduce_grads()
-        self.optimizer.step()
+        self.optimizer_step()
         return torch.stack(losses).mean()
 
     def all_reduce_grads(self) -> None:

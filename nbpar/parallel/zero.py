@@ -117,7 +117,7 @@ class FSDPRunner(StepRunner):
         for i, (x, y) in enumerate(micro_batches):
             self.model.set_requires_gradient_sync(i == n - 1)
             losses.append(self.forward_backward(x, y, 1.0 / n))
-        self.optimizer.step()
+        self.optimizer_step()
         return torch.stack(losses).mean()
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
