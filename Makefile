@@ -14,7 +14,7 @@ export TMPDIR := $(CURDIR)/.tmp
 export MPLBACKEND := Agg
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: setup test test-unit test-notebooks test-browser notebooks demo lab bench clean
+.PHONY: setup test lint test-unit test-notebooks test-browser notebooks demo lab bench clean
 
 setup: $(VENV)/.done
 
@@ -30,7 +30,11 @@ $(VENV)/.done: pyproject.toml scripts/install_torch.sh scripts/install_mpi.sh sc
 	$(PY) -c "import torch, deepspeed, ipyparallel, nbpar; print('nbpar ready: torch', torch.__version__)"
 	@touch $@
 
-test: setup test-unit test-notebooks test-browser
+test: setup lint test-unit test-notebooks test-browser
+
+# ruff is the one linter (its rules are in pyproject.toml)
+lint: setup
+	$(PY) -m ruff check .
 
 test-unit: setup
 	@mkdir -p .tmp

@@ -28,7 +28,7 @@ def plain(engines: int, steps: int, micro: int, model: str) -> float:
          "--micro-batch", str(micro), "--model", model, "--d-model", str(SIZES["d_model"]),
          "--layers", str(SIZES["n_layers"]), "--seq-len", str(SIZES["seq_len"])],
         capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    line = [l for l in out.stdout.splitlines() if l.startswith("{")][-1]
+    line = [s for s in out.stdout.splitlines() if s.startswith("{")][-1]
     return json.loads(line)["step_time_s"]
 
 

@@ -29,13 +29,22 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from nbpar.checkpoint_meta import (FORMAT_VERSION, LATEST, META, atomic_write_text,
-                                   check_resume, checkpoint_format, fsync_dir,
-                                   list_checkpoints, model_signature, read_meta, resolve,
-                                   step_name)
+from nbpar.checkpoint_meta import (
+    FORMAT_VERSION,
+    LATEST,
+    META,
+    atomic_write_text,
+    check_resume,
+    checkpoint_format,
+    fsync_dir,
+    list_checkpoints,
+    model_signature,
+    read_meta,
+    resolve,
+    step_name,
+)
 
 # per-FQN optimizer keys (also param_groups): ranks holding different parameters
 # (pipeline stages, ZeRO-1 partitions) never collide, and any layout can read them

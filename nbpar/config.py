@@ -57,7 +57,7 @@ class GPTConfig:
     dropout: float = 0.0
     """dropout probability in attention and feed-forward (0 keeps runs comparable)"""
 
-    def validate(self) -> "GPTConfig":
+    def validate(self) -> GPTConfig:
         for f in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "ffn_mult"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -184,7 +184,7 @@ class TrainConfig:
         return self.micro_batch * self.grad_accum * self.dims(world_size).dp
 
     # ---- validation -----------------------------------------------------
-    def validate(self, world_size: int | None = None) -> "TrainConfig":
+    def validate(self, world_size: int | None = None) -> TrainConfig:
         """Raise ValueError naming the first bad setting; returns self."""
         _choice("model", self.model, MODELS)
         _choice("strategy", self.strategy, STRATEGIES)
@@ -368,7 +368,7 @@ class TrainConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
+    def from_dict(cls, d: dict) -> TrainConfig:
         """Inverse of `to_dict`; unknown keys raise ValueError."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)

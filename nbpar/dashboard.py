@@ -179,7 +179,7 @@ class Dashboard:
             self._handle = display(Image(self.png()), display_id=True)
 
     # -- following a run ---------------------------------------------------------
-    def follow(self, poll_s: float = 0.5) -> "Dashboard":
+    def follow(self, poll_s: float = 0.5) -> Dashboard:
         """Update until the run is done (or `stop_following`), then a final update."""
         while not self._done() and not self._stop.is_set():
             self.update()
@@ -187,7 +187,7 @@ class Dashboard:
         self.update(force=True)
         return self
 
-    def show(self, background: bool = True, poll_s: float = 0.5) -> "Dashboard":
+    def show(self, background: bool = True, poll_s: float = 0.5) -> Dashboard:
         """Display the widget and keep it updated (in a daemon thread by default, so the
         cell returns at once while the run trains)."""
         from IPython.display import display
@@ -195,7 +195,7 @@ class Dashboard:
         display(self)
         return self.start(poll_s) if background else self.follow(poll_s)
 
-    def start(self, poll_s: float = 0.5) -> "Dashboard":
+    def start(self, poll_s: float = 0.5) -> Dashboard:
         """`follow` in a daemon thread (ipyparallel fills the history in its own thread)."""
         if self._thread is None or not self._thread.is_alive():
             self._stop.clear()

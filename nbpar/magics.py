@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import shlex
 
-from IPython.core.magic import Magics, line_magic, cell_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 
 class _Parser(argparse.ArgumentParser):

@@ -14,18 +14,19 @@ import time
 import weakref
 
 from nbpar import device
-from nbpar.errors import EngineDied, PoolError
-from nbpar.launchers import LAUNCHER_NEEDS, check_launcher as _check_launcher  # noqa: F401
+from nbpar.errors import PoolError
+from nbpar.launchers import LAUNCHER_NEEDS  # noqa: F401
+from nbpar.launchers import check_launcher as _check_launcher
 
 #: Faster than ipyparallel's defaults: engines register within ~0.2 s of
 #: starting (the default 3 s heartbeat period made registration take ~6 s); a
 #: dead engine is still only declared after 10 s without heartbeats.
 CONTROLLER_ARGS = ["--HeartMonitor.period=200", "--HeartMonitor.max_heartmonitor_misses=50"]
-_live: "weakref.WeakSet[Pool]" = weakref.WeakSet()
-_current: "weakref.ref[Pool] | None" = None
+_live: weakref.WeakSet[Pool] = weakref.WeakSet()
+_current: weakref.ref[Pool] | None = None
 
 
-def current() -> "Pool":
+def current() -> Pool:
     """The pool that ``%%dist`` runs on: the one made or activated last."""
     pool = _current() if _current else None
     if pool is None or pool.closed:
@@ -118,7 +119,7 @@ class Pool:
     @classmethod
     def connect(cls, url_file: str | None = None, *, profile: str | None = None,
                 cluster_id: str | None = None, n: int | None = None,
-                backend: str | None = None, **kwargs) -> "Pool":
+                backend: str | None = None, **kwargs) -> Pool:
         """Attach to an ipyparallel cluster that is already running.
 
         The engines join a process group; ``shutdown()`` leaves the cluster
@@ -211,14 +212,14 @@ class Pool:
         proc = getattr(getattr(self.cluster, "controller", None), "process", None)
         return proc is not None
 
-    def activate(self) -> "Pool":
+    def activate(self) -> Pool:
         """Make this the pool that ``%%dist`` runs on."""
         global _current
         _live.add(self)
         _current = weakref.ref(self)
         return self
 
-    def restart(self) -> "Pool":
+    def restart(self) -> Pool:
         """Fresh engines and a fresh process group, same kernel.
 
         Works after a crash, a hung collective or a timeout. A pool attached
@@ -295,7 +296,8 @@ class Pool:
         from nbpar.execute import run_cell
 
         self._check_open()
-        return run_cell(self, code, self.ranks(targets), self.timeout if timeout is None else timeout)
+        return run_cell(self, code, self.ranks(targets),
+                        self.timeout if timeout is None else timeout)
 
     def run(self, fn, *args, targets=None, timeout: float | None = None, **kwargs) -> list:
         """Call ``fn(*args, **kwargs)`` on each target rank; results in rank order."""

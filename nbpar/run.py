@@ -69,7 +69,7 @@ class Run:
         return [rec["loss"] for rec in self.history if rec["rank"] == rank]
 
     # -- control -------------------------------------------------------------
-    def wait(self, timeout: float | None = None) -> "Run":
+    def wait(self, timeout: float | None = None) -> Run:
         """Block until every rank finished; Ctrl-C / the interrupt button stops the run
         at a step boundary and re-raises KeyboardInterrupt."""
         try:

@@ -8,8 +8,15 @@ import torch
 from torch.utils.data import TensorDataset
 
 from nbpar.config import TrainConfig
-from nbpar.data import (CIFAR10, build_dataset, build_loader, cifar10_root, digits_dataset,
-                        pysource_bytes, write_cifar10_format)
+from nbpar.data import (
+    CIFAR10,
+    build_dataset,
+    build_loader,
+    cifar10_root,
+    digits_dataset,
+    pysource_bytes,
+    write_cifar10_format,
+)
 
 
 def test_cifar10_reader_reads_written_format(tmp_path):

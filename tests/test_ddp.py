@@ -30,7 +30,7 @@ def _ddp_steps(rank, world, accums):
         calls = []
         timer = runner.comm_timer
         orig = timer.record
-        timer.record = lambda a, b: (calls.append((a, b)), orig(a, b))
+        timer.record = lambda a, b, calls=calls, orig=orig: (calls.append((a, b)), orig(a, b))
         timer.start_step()
         loss = runner.train_step(list(zip(x[mine].chunk(accum), y[mine].chunk(accum))))
         timer.end_step()

@@ -9,9 +9,18 @@ import weakref
 import pytest
 
 from tests.distributed import run_distributed
-from tests.test_zero import (BF16_LOSS_ATOL, BF16_PARAM_ATOL, WORLD,
-                             check_against_reference, full_bytes, loss_fn, make_cfg,
-                             make_model, reference, train)
+from tests.test_zero import (
+    BF16_LOSS_ATOL,
+    BF16_PARAM_ATOL,
+    WORLD,
+    check_against_reference,
+    full_bytes,
+    loss_fn,
+    make_cfg,
+    make_model,
+    reference,
+    train,
+)
 
 # the classic ds_config of DeepSpeed's tutorials, used as written
 CLASSIC = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,

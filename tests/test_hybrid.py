@@ -11,8 +11,16 @@ import torch
 from nbpar.parallel import hybrid
 from nbpar.parallel.mesh import ParallelDims
 from tests.distributed import run_distributed
-from tests.test_pipeline import (ACCUM, MICRO, batches, build_mesh, lm_loss, make_cfg,
-                                 make_model, single_losses)
+from tests.test_pipeline import (
+    ACCUM,
+    MICRO,
+    batches,
+    build_mesh,
+    lm_loss,
+    make_cfg,
+    make_model,
+    single_losses,
+)
 
 
 def _train_hybrid(rank, world, dims, variants, steps):

@@ -1,6 +1,7 @@
 """Analytic memory estimator: the ZeRO paper's numbers, model-parallel division, activations."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -9,8 +10,13 @@ import sys
 
 import pytest
 
-from nbpar.memory import (MemoryEstimate, activation_bytes_per_layer, bytes_per_param,
-                          estimate_memory, zero_table)
+from nbpar.memory import (
+    MemoryEstimate,
+    activation_bytes_per_layer,
+    bytes_per_param,
+    estimate_memory,
+    zero_table,
+)
 
 GB = 1e9
 ACT = dict(batch=2, seq_len=8, hidden=16, layers=4, heads=4)
@@ -138,7 +144,7 @@ def test_reprs_are_cheap_and_informative():
     html = est._repr_html_()
     assert html.startswith("<table>") and html.count("<tr>") == 5 and "3.25 GB" in html
     assert isinstance(est, MemoryEstimate)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         est.strategy = "ddp"  # frozen
 
 

@@ -11,10 +11,16 @@ import pytest
 import torch
 
 from nbpar.config import GPTConfig, TrainConfig
-from nbpar.models import TinyGPT, next_token_loss as lm_loss
+from nbpar.models import TinyGPT
+from nbpar.models import next_token_loss as lm_loss
 from nbpar.parallel import ds_pipeline, pipeline
-from nbpar.timeline import (bubble_fraction, clock_offset, cristian_offset, plot_timeline,
-                            theory_bubble)
+from nbpar.timeline import (
+    bubble_fraction,
+    clock_offset,
+    cristian_offset,
+    plot_timeline,
+    theory_bubble,
+)
 from tests.distributed import run_distributed
 
 STEPS, ACCUM, MICRO = 20, 4, 2
@@ -43,7 +49,7 @@ def batches(step, accum=ACCUM, micro=MICRO):
             for i in range(accum)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def single_losses(steps=STEPS, accum=ACCUM, micro=MICRO):
     """Reference: full model, one process, accumulation over the same micro-batches."""
     from nbpar.parallel.runner import StepRunner

@@ -8,7 +8,6 @@ reference is counted independently, in one process, on a plain forward.
 from __future__ import annotations
 
 import pytest
-import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from nbpar.models import next_token_loss as lm_loss

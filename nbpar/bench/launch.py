@@ -5,7 +5,8 @@ Three figures for each: seconds from nothing to a completed all_reduce
 cell with one all_reduce (``allreduce_ms``). The baseline is what a user
 would write by hand: ``ipp.Cluster(n)`` with default settings, then an
 ``init_process_group`` cell; its cells run as ``%px`` runs them
-(``view.execute(code, silent=False)``, so values are displayed, as ``%%dist`` does). Both pools stay up while cells are timed, and
+(``view.execute(code, silent=False)``, so values are displayed, as ``%%dist`` does).
+Both pools stay up while cells are timed, and
 the timings alternate between them, so a noisy machine's drift hits both.
 """
 from __future__ import annotations
@@ -74,7 +75,8 @@ def bench_launch(engines: int = 2, reps: int = 30) -> dict:
                 order = [("ours", lambda c: pool.execute(c)),
                          ("base", lambda c: view.execute(c, silent=False, block=True))]
                 for who, run in order if i % 2 else order[::-1]:
-                    cell, ar = _timed_ms(lambda: run("pass")), _timed_ms(lambda: run(ALLREDUCE))
+                    cell = _timed_ms(lambda run=run: run("pass"))
+                    ar = _timed_ms(lambda run=run: run(ALLREDUCE))
                     if i:
                         cells[f"{who}_cell"].append(cell)
                         cells[f"{who}_ar"].append(ar)

@@ -15,8 +15,12 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                          ScheduleInterleaved1F1B)
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
 
 from .. import timeline as _timeline
 from . import autocast_dtype as precision_dtype
@@ -204,7 +208,7 @@ class PipelineRunner(StepRunner):
         self.optimizer_step()
         # The schedule averages each micro-batch loss and divides the
         # gradients by m (scale_grads): both equal the global-batch mean.
-        loss = (torch.stack([l.detach().float() for l in losses]).mean() if last
+        loss = (torch.stack([t.detach().float() for t in losses]).mean() if last
                 else torch.zeros((), dtype=torch.float32, device=x.device))
         dist.broadcast(loss, src=self._last_rank, group=self.pp_group)
         self._gather_timeline(t0)

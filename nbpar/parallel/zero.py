@@ -10,7 +10,6 @@ Training Trillion Parameter Models", SC 2020) over the dp dimension.
 """
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
