@@ -148,7 +148,7 @@ for epoch in range(2):
         loss.backward()                      # gradients all-reduced here
         optimizer.step()
         if step % 3 == 0:
-            log0(f"epoch {epoch} step {step:2d}  mean loss {mean_over_ranks(loss):.4f}")
+            log0(f"epoch {epoch} step {step:2d}  mean loss {mean_over_ranks(loss):.2f}")
         step += 1
 
 # %% [markdown]
@@ -176,8 +176,8 @@ cfg = nbpar.TrainConfig(model="simple_cnn", strategy="ddp", micro_batch=16, step
 run = pool.train(cfg).wait()
 res = run.result()
 print(nbpar.data.global_batch_line(cfg.micro_batch, cfg.grad_accum, pool.n))
-print("first losses:", [round(x, 4) for x in res["losses"][:3]])
-print("last losses: ", [round(x, 4) for x in res["losses"][-3:]])
+print("first losses:", [round(x, 2) for x in res["losses"][:3]])
+print("last losses: ", [round(x, 2) for x in res["losses"][-3:]])
 
 # %%
 nbpar.plots.plot_losses(run, labels=["ddp, 2 ranks"])

@@ -116,7 +116,7 @@ loss_fn(ref_out).backward()
 g = block.attn.wq.weight.grad.to_local()              # this rank's rows of wq's gradient
 ref_g = reference.layers["0"].attn.wq.weight.grad.chunk(world, dim=0)[rank]
 torch.testing.assert_close(g, ref_g)
-print(f"logits match, loss {loss_fn(out).item():.4f}; wq grad shard {tuple(g.shape)} matches")
+print(f"logits match, loss {loss_fn(out).item():.2f}; wq grad shard {tuple(g.shape)} matches")
 
 # %% [markdown]
 # ## Training with `strategy="tp"`
@@ -130,8 +130,8 @@ common = dict(model="tiny_gpt", micro_batch=8, steps=20, lr=3e-3, seed=0)
 run_tp = pool.train(nbpar.TrainConfig(strategy="tp", **common)).wait()
 run_single = pool.train(nbpar.TrainConfig(strategy="single", **common)).wait()
 tp_losses, single_losses = run_tp.result()["losses"], run_single.result()["losses"]
-print("tp     :", [round(x, 4) for x in tp_losses[:: 5]])
-print("single :", [round(x, 4) for x in single_losses[:: 5]])
+print("tp     :", [round(x, 2) for x in tp_losses[:: 5]])
+print("single :", [round(x, 2) for x in single_losses[:: 5]])
 print("max difference below 1e-4:", max(abs(a - b) for a, b in zip(tp_losses, single_losses)) < 1e-4)
 
 # %%

@@ -137,8 +137,10 @@ run_ppdp = pool.train(nbpar.TrainConfig(pp=2, dp=2, micro_batch=4, **common)).wa
 run_pptp = pool.train(nbpar.TrainConfig(pp=2, tp=2, micro_batch=8, **common)).wait()
 for name, run in (("pp2 x dp2", run_ppdp), ("pp2 x tp2", run_pptp)):
     res = run.result()
-    print(f"{name}: losses {[round(x, 4) for x in res['losses'][::3]]}, params per rank "
+    print(f"{name}: losses {[round(x, 2) for x in res['losses'][::3]]}, params per rank "
           f"{[r['param_bytes'] for r in res['ranks']]} B")
+ppdp_losses, pptp_losses = run_ppdp.result()["losses"], run_pptp.result()["losses"]
+assert max(abs(a - b) for a, b in zip(ppdp_losses, pptp_losses)) < 1e-5  # fp32 rounding
 
 # %%
 nbpar.plots.plot_losses([run_ppdp, run_pptp], labels=["pp2 x dp2", "pp2 x tp2"])

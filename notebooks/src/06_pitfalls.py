@@ -63,7 +63,7 @@ def roughness(losses):
 
 for name, run in (("global batch 2 ", run_small), ("global batch 32", run_accum)):
     losses = run.result()["losses"]
-    print(f"{name}: last loss {losses[-1]:.4f}, step-to-step roughness {roughness(losses):.4f}")
+    print(f"{name}: last loss {losses[-1]:.2f}, step-to-step roughness {roughness(losses):.2f}")
 nbpar.plots.plot_losses([run_small, run_accum],
                         labels=["micro 1 x accum 1 x dp 2", "micro 1 x accum 16 x dp 2"])
 

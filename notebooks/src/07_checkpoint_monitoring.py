@@ -152,8 +152,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 events = EventAccumulator(dirs[0]).Reload()
 print(sorted(events.Tags()["scalars"]))
 loss_events = events.Scalars("loss")
-print(len(loss_events), "loss points, first", round(loss_events[0].value, 4),
-      "last", round(loss_events[-1].value, 4))
+print(len(loss_events), "loss points, first", round(loss_events[0].value, 2),
+      "last", round(loss_events[-1].value, 2))
 
 # %% [markdown]
 # The same records feed the live dashboard of a run (displayed by a cell that ends
