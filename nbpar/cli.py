@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "pipeline", "tp", "hybrid")
+from nbpar.config import STRATEGIES
 
 
 class UsageError(Exception):

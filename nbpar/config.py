@@ -28,6 +28,13 @@ GPT_ONLY = ("pipeline", "tp", "hybrid")
 DEFAULT_SCHEDULE = "1f1b"
 
 
+def require_hybrid_degrees(strategy: str, dp, tp, pp) -> None:
+    """The one rule: a hybrid layout cannot be guessed, its degrees must be given."""
+    if strategy == "hybrid" and dp is None and tp is None and pp is None:
+        raise ValueError("strategy 'hybrid' needs explicit degrees: set at least two of dp, "
+                         "tp and pp so that dp x tp x pp equals the number of engines")
+
+
 def _choice(name: str, value, allowed) -> None:
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is not supported; choose one of {', '.join(allowed)}")
@@ -164,9 +171,7 @@ class TrainConfig:
         elif s == "tp":
             default = {"tp": world_size}
         else:  # hybrid
-            if all(v is None for v in given.values()):
-                raise ValueError("strategy 'hybrid' needs explicit degrees (set dp, tp and/or pp, "
-                                 "e.g. dp=2, pp=2)")
+            require_hybrid_degrees(s, **given)
             default = {}
         degrees = {k: given[k] if given[k] is not None else default.get(k, 1) for k in given}
         if s != "hybrid":
@@ -268,9 +273,7 @@ class TrainConfig:
             v = getattr(self, k)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{k} must be a positive integer or None, got {v!r}")
-        if self.strategy == "hybrid" and all(getattr(self, k) is None for k in ("dp", "tp", "pp")):
-            raise ValueError("strategy 'hybrid' needs explicit degrees (set dp, tp and/or pp, "
-                             "e.g. dp=2, pp=2)")
+        require_hybrid_degrees(self.strategy, self.dp, self.tp, self.pp)
         if self.strategy == "single":
             for k in ("dp", "tp", "pp"):
                 if getattr(self, k) not in (None, 1):

@@ -14,7 +14,8 @@ import math
 from dataclasses import dataclass
 from numbers import Integral, Real
 
-STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "pipeline", "tp", "hybrid")
+from nbpar.config import STRATEGIES, require_hybrid_degrees
+
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}  # fp32 tensors/param
 PRECISIONS = {"fp32": "fp32", "mixed": "mixed", "bf16": "mixed", "fp16": "mixed"}
 OFFLOADS = ("none", "optimizer", "params")
@@ -58,9 +59,7 @@ def resolve_degrees(strategy: str, world_size: int, dp=None, tp=None, pp=None):
             raise ValueError(f"Strategy 'single' runs on one rank: world_size and dp/tp/pp must "
                              f"be 1, got world_size={world_size}, {given}.")
         return 1, 1, 1
-    if strategy == "hybrid" and all(v is None for v in given.values()):
-        raise ValueError(f"Strategy 'hybrid' needs explicit degrees dp, tp, pp whose product is "
-                         f"world_size={world_size}.")
+    require_hybrid_degrees(strategy, **given)
     own = _OWN_DIM.get(strategy)
     if own is not None and given[own] is None:
         others = math.prod(v or 1 for k, v in given.items() if k != own)

@@ -16,7 +16,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from .runner import StepRunner, local_tensor
 
-STRATEGIES = ("tp", "ddp", "zero1", "zero2", "zero3")  # tp x (none, or this dp flavour)
+HANDLES = ("tp", "ddp", "zero1", "zero2", "zero3")  # tp x (none, or this dp flavour)
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -151,8 +151,8 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> StepRunner:
     """
     from nbpar.parallel import autocast_dtype, make_optimizer, model_device_type
 
-    if cfg.strategy not in STRATEGIES:
-        raise ValueError(f"tensor-parallel runner handles strategies {STRATEGIES}, "
+    if cfg.strategy not in HANDLES:
+        raise ValueError(f"tensor-parallel runner handles strategies {HANDLES}, "
                          f"got {cfg.strategy!r}")
     if cfg.precision not in PRECISIONS:
         raise ValueError(f"precision={cfg.precision!r} with tensor parallelism is not "
