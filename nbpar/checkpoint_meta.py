@@ -142,14 +142,6 @@ def model_signature(cfg) -> dict:
     return {"name": cfg.model, "fingerprint": digest, "shapes": shapes}
 
 
-def describe_model(config: dict) -> str:
-    """'tiny_gpt d_model=64 n_layers=2 ...' from a config dict."""
-    if config.get("model") != "tiny_gpt":
-        return str(config.get("model"))
-    gpt = config.get("gpt") or {}
-    return "tiny_gpt " + " ".join(f"{k}={gpt.get(k)}" for k in GPT_FIELDS)
-
-
 def _model_mismatch(where: str, meta: dict, cfg) -> str:
     old, new = meta["config"], cfg.to_dict()
     if old.get("model") != new["model"]:

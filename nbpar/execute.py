@@ -157,8 +157,7 @@ def interrupt(pool, ranks, ars, wait_s: float = 3.0) -> None:
 
 def run_cell(pool, code: str, ranks, timeout: float | None) -> DistResult:
     """Execute ``code`` on ``ranks`` (each in its engine's namespace)."""
-    inflight = getattr(pool, "_inflight", {})
-    busy = [r for r in ranks if inflight.get(r) is not None and not inflight[r].ready()]
+    busy = pool.busy_ranks(ranks)
     if busy:
         raise PoolError(f"rank(s) {busy} are still running an earlier cell (maybe stuck in a "
                         f"collective): wait for it, or run `%dist restart`")
@@ -168,7 +167,7 @@ def run_cell(pool, code: str, ranks, timeout: float | None) -> DistResult:
     # one request to all target engines (as %px does), one AsyncResult per rank
     ar = pool.view(ranks).execute(code, block=False, silent=False)
     ars = dict(zip(ranks, ar.split()))
-    pool._inflight = {**inflight, **ars}
+    pool.track(ars)
     from nbpar.userlog import LogPlot
 
     plot = LogPlot(ars, show=True)  # draws nbpar.log(...) records live, if any

@@ -128,9 +128,3 @@ class HookState:
         self.group = group
         self.timer = timer
 
-
-def log(step: int | None = None, **values) -> dict:
-    """`nbpar.log`: record user metrics for this rank (implemented in nbpar.userlog)."""
-    from nbpar.userlog import log as _log
-
-    return _log(step, **values)

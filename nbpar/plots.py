@@ -45,7 +45,7 @@ def _loss_series(item, per_rank: bool):
 
 
 def plot_losses(runs_or_histories, ax=None, *, per_rank: bool = False, labels=None):
-    """Loss per step, one line per run (the last rank's losses, as ``Run.losses()``), or
+    """Loss per step, one line per run (the last rank's losses), or
     one per (run, rank) with ``per_rank=True``. Labels default to "strategy/backend"."""
     items = _items(runs_or_histories)
     if labels is not None and len(labels) != len(items):

@@ -107,6 +107,7 @@ class Pool:
         self.closed = False
         self.engines: list[dict] = []
         self._cluster_kwargs = cluster_kwargs
+        self._init_requests()
         try:
             self._start_cluster()
             self._rendezvous()
@@ -136,6 +137,7 @@ class Pool:
         self.start_timeout = kwargs.pop("start_timeout", 120.0)
         self.env = {str(k): str(v) for k, v in kwargs.pop("env", {}).items()}
         self.ip, self.port, self.engines, self._cluster_kwargs = "127.0.0.1", None, [], {}
+        self._init_requests()
         client_kwargs = dict(kwargs)
         if url_file:
             client_kwargs["url_file"] = url_file
@@ -310,10 +312,23 @@ class Pool:
         wait_all(self, ars, self.timeout if timeout is None else timeout)
         return [ars[r].get() for r in ranks]
 
+    def _init_requests(self) -> None:
+        self._inflight: dict = {}  # rank -> the AsyncResult of its latest cell or run
+        self._views: dict = {}     # (engine ids, ranks) -> DirectView
+
+    def track(self, ars: dict) -> None:
+        """Remember ``ars`` (rank -> AsyncResult) as what each rank is running now."""
+        self._inflight.update(ars)
+
+    def busy_ranks(self, ranks=None) -> list[int]:
+        """Ranks still running a cell or a run that this pool started."""
+        ranks = range(self.n) if ranks is None else ranks
+        return [r for r in ranks if r in self._inflight and not self._inflight[r].ready()]
+
     def view(self, ranks):
         """A DirectView on the engines of ``ranks`` (cached: views cost a round of setup)."""
         key = (tuple(self._engine_ids), tuple(ranks))
-        views = self.__dict__.setdefault("_views", {})
+        views = self._views
         if key not in views:
             views.clear() if len(views) > 64 else None
             views[key] = self.client.direct_view([self._engine_ids[r] for r in ranks])

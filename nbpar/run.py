@@ -49,7 +49,7 @@ class Run:
         self._results = None
         self._ars = {r: pool.client[pool.engine_id(r)].apply_async(
             train_on_engine, cfg.to_dict(), self.run_id) for r in ranks}
-        pool._inflight = {**getattr(pool, "_inflight", {}), **self._ars}
+        pool.track(self._ars)
 
     # -- live state ----------------------------------------------------------
     def done(self) -> bool:
@@ -63,10 +63,6 @@ class Run:
             data = ar.data if isinstance(ar.data, dict) else {}
             records.extend(v for k, v in sorted(data.items()) if k.startswith(self.run_id))
         return sorted(records, key=lambda rec: (rec["step"], rec["rank"]))
-
-    def losses(self, rank: int | None = None) -> list[float]:
-        rank = self.ranks[-1] if rank is None else rank
-        return [rec["loss"] for rec in self.history if rec["rank"] == rank]
 
     # -- control -------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> Run:

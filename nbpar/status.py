@@ -33,10 +33,10 @@ def pool_status(pool) -> list[dict]:
     if pool.closed:
         return [{**e, "state": "shut down", "memory": None} for e in pool.engines]
     dead = set(pool.dead_ranks())
-    inflight = getattr(pool, "_inflight", {})
+    busy_ranks = set(pool.busy_ranks(range(len(pool.engines))))
     rows = []
     for rank, eng in enumerate(pool.engines):
-        busy = inflight.get(rank) is not None and not inflight[rank].ready()
+        busy = rank in busy_ranks
         state = "dead" if rank in dead else "busy" if busy else "ready"
         rows.append({"rank": rank, "host": eng["host"], "pid": eng["pid"],
                      "device": eng["device"], "state": state,

@@ -40,7 +40,6 @@ class SavedActivations:
         self._owner: dict[int, tuple] = {}  # storage data_ptr -> (stage, mb) that counted it
         self._last: tuple | None = None     # key of the latest forward (the loss joins it)
         self.peak = 0
-        self.per_microbatch: dict[tuple, int] = {}  # (stage, mb) -> bytes it saved
 
     def _pack(self, key: tuple, skip: set):
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -49,7 +48,6 @@ class SavedActivations:
             if nbytes and ptr not in skip and ptr not in self._owner:
                 self._owner[ptr] = key
                 self._live[key] = self._live.get(key, 0) + nbytes
-                self.per_microbatch[key] = self.per_microbatch.get(key, 0) + nbytes
                 self.peak = max(self.peak, sum(self._live.values()))
             return t
 
