@@ -13,7 +13,7 @@ import os
 import statistics
 
 import nbpar
-from nbpar.dashboard import Dashboard
+from nbpar.view.dashboard import Dashboard
 
 SIZES = {"d_model": 128, "n_layers": 4, "seq_len": 128}  # a step of ~0.1 s on 2 cores
 

@@ -70,7 +70,7 @@ def _init_world_of_one(backend: str) -> None:
 def measure(strategy: str, args, fpt: int, peak: float | None) -> dict:
     """Train ``args.steps`` steps of one strategy; tokens/s over the steps after warm-up."""
     from nbpar.config import GPTConfig, TrainConfig
-    from nbpar.train import run_training
+    from nbpar.train.loop import run_training
 
     cfg = TrainConfig(model="tiny_gpt", strategy=strategy, micro_batch=args.micro_batch,
                       steps=args.steps, precision=args.precision,
@@ -95,7 +95,7 @@ def main(argv=None) -> dict:
 
     from nbpar import device
     from nbpar.config import GPTConfig, TrainConfig
-    from nbpar.models import build_model
+    from nbpar.train.models import build_model
 
     gpus = 0 if args.dry_run else device.accelerator_count()
     backend = device.default_backend(gpus)

@@ -13,7 +13,7 @@ import statistics
 
 import nbpar
 from nbpar.config import GPTConfig
-from nbpar.timeline import theory_bubble
+from nbpar.train.timeline import theory_bubble
 
 
 def main():

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from nbpar.config import GPTConfig, TrainConfig
-from nbpar.data import build_loader
-from nbpar.models import build_model, loss_fn
+from nbpar.train.data import build_loader
+from nbpar.train.models import build_model, loss_fn
 
 
 def main():

@@ -6,17 +6,19 @@ nothing starts processes or touches devices at import time.
 """
 from __future__ import annotations
 
+import sys
+
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Pool": ("nbpar.pool", "Pool"),
+    "Pool": ("nbpar.pool.pool", "Pool"),
     "TrainConfig": ("nbpar.config", "TrainConfig"),
     "GPTConfig": ("nbpar.config", "GPTConfig"),
     "ParallelDims": ("nbpar.parallel.mesh", "ParallelDims"),
-    "estimate_memory": ("nbpar.memory", "estimate_memory"),
-    "compare": ("nbpar.compare", "compare"),
-    "StrategyPicker": ("nbpar.widgets", "StrategyPicker"),
-    "log": ("nbpar.userlog", "log"),
+    "estimate_memory": ("nbpar.estimate", "estimate_memory"),
+    "compare": ("nbpar.view.compare", "compare"),
+    "StrategyPicker": ("nbpar.view.widgets", "StrategyPicker"),
+    "log": ("nbpar.train.userlog", "log"),
     "EngineDied": ("nbpar.errors", "EngineDied"),
     "DistTimeout": ("nbpar.errors", "DistTimeout"),
     "RankError": ("nbpar.errors", "RankError"),
@@ -24,6 +26,48 @@ _LAZY = {
 }
 
 __all__ = ["Pool", "TrainConfig", "compare", "estimate_memory", "StrategyPicker", "log"]
+
+# Modules that moved when the package was grouped by where code runs (pool/: the kernel
+# drives engines, train/: inside the engines, parallel/: the strategies, view/: what
+# draws). The old paths keep working: ``import nbpar.memory`` is ``nbpar.estimate``.
+MOVED = {
+    "memory": "estimate", "execute": "pool.execute", "magics": "pool.magics",
+    "launchers": "pool.launchers", "status": "pool.status", "run": "pool.run",
+    "worker": "pool.worker", "models": "train.models", "data": "train.data",
+    "checkpoint": "train.checkpoint", "checkpoint_meta": "train.checkpoint_meta",
+    "metrics": "train.metrics", "lr_schedule": "train.lr_schedule",
+    "userlog": "train.userlog", "timeline": "train.timeline",
+    "ds_config": "parallel.ds_config", "dashboard": "view.dashboard",
+    "panels": "view.panels", "plots": "view.plots", "compare": "view.compare",
+    "widgets": "view.widgets", "history": "view.history", "memory_plot": "view.memory_plot",
+    "export": "view.export", "teaching": "view.teaching",
+}
+
+
+class _MovedModules:
+    """Import hook: ``nbpar.<old name>`` resolves to the module at its new place."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        import importlib.util
+
+        old = name.partition("nbpar.")[2] if name.startswith("nbpar.") else None
+        if old not in MOVED:
+            return None
+        return importlib.util.spec_from_loader(name, _MovedModules)
+
+    @staticmethod
+    def create_module(spec):
+        import importlib
+
+        return importlib.import_module("nbpar." + MOVED[spec.name.partition(".")[2]])
+
+    @staticmethod
+    def exec_module(module):
+        pass
+
+
+sys.meta_path.append(_MovedModules)
 
 
 def __getattr__(name):
@@ -43,6 +87,6 @@ def __dir__():
 
 def load_ipython_extension(ipython):
     """``%load_ext nbpar``: register ``%%dist`` and ``%dist``."""
-    from nbpar.magics import load_ipython_extension as load
+    from nbpar.pool.magics import load_ipython_extension as load
 
     load(ipython)

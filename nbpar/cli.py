@@ -149,7 +149,7 @@ def cmd_train(args) -> dict:
 
 
 def cmd_estimate(args) -> dict:
-    from nbpar.memory import estimate_memory
+    from nbpar.estimate import estimate_memory
 
     try:
         est = estimate_memory(args.params, args.world_size, args.strategy, dp=args.dp,

@@ -118,7 +118,7 @@ class TrainConfig:
     lr_schedule: dict | None = None
     """a learning-rate schedule in DeepSpeed's "scheduler" format, e.g. {"type":
     "WarmupLR", "params": {"warmup_num_steps": 10}}, run alike on every backend
-    (see `nbpar.lr_schedule`); None = constant lr"""
+    (see `nbpar.train.lr_schedule`); None = constant lr"""
     precision: str = "fp32"
     """fp32 | bf16 (autocast) | fp16 (deepspeed only: it brings the loss scaler)"""
     offload: str = "none"
@@ -229,7 +229,7 @@ class TrainConfig:
                 self._fit_train_batch_size(world_size)
                 # a ds_config that disagrees with this config (micro batch, stage,
                 # precision, ...) is refused here, before any engine starts
-                from nbpar.ds_config import ds_config_for
+                from nbpar.parallel.ds_config import ds_config_for
 
                 ds_config_for(self, self.dims(world_size).dp)
         if self.precision != "fp32":  # what this host's CPU or GPU can compute
@@ -237,7 +237,7 @@ class TrainConfig:
 
             device.check_precision(self.precision)
         if self.resume_from is not None:  # missing/corrupt/other model: before engines work
-            from nbpar.checkpoint_meta import check_resume
+            from nbpar.train.checkpoint_meta import check_resume
             check_resume(self, world_size)
         return self
 
@@ -302,7 +302,7 @@ class TrainConfig:
                                  f"layers, gpt.n_layers={self.gpt.n_layers}")
 
     def _validate_optimizer(self) -> None:
-        from nbpar.ds_config import OPTIMIZER_PARAMS
+        from nbpar.parallel.ds_config import OPTIMIZER_PARAMS
 
         params = self.optimizer_params or {}
         if not isinstance(params, dict):
@@ -316,7 +316,7 @@ class TrainConfig:
                 or self.grad_clip < 0:
             raise ValueError(f"grad_clip must be a number >= 0, got {self.grad_clip!r}")
         if self.lr_schedule is not None:
-            from nbpar.lr_schedule import resolve
+            from nbpar.train.lr_schedule import resolve
 
             resolve(self.lr_schedule, self.lr, self.steps)
 
@@ -354,7 +354,7 @@ class TrainConfig:
         every field that was not given explicitly."""
         if self.deepspeed_config is None:
             return
-        from nbpar.ds_config import load_ds_config, train_settings
+        from nbpar.parallel.ds_config import load_ds_config, train_settings
 
         self.deepspeed_config = load_ds_config(self.deepspeed_config)
         settings = train_settings(self.deepspeed_config)

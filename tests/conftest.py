@@ -24,7 +24,7 @@ def no_process_left_behind():
     yield
     me = psutil.Process()
     left = [p for p in me.children(recursive=True)
-            if any(s in " ".join(p.cmdline()) for s in ("ipyparallel", "nbpar._engine"))]
+            if any(s in " ".join(p.cmdline()) for s in ("ipyparallel", "nbpar.pool.engine"))]
     for p in left:
         p.kill()
     assert not left, f"processes left running: {[p.cmdline() for p in left]}"

@@ -74,3 +74,29 @@ def test_no_import_cycles_in_nbpar():
 def test_the_cycle_finder_finds_cycles():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) == []
+
+
+def test_engine_side_never_imports_the_kernel_side():
+    """train/ and parallel/ run inside the engines: they may not reach the pool (which
+    drives engines from the kernel) or the view (which draws in the kernel)."""
+    graph = import_graph(ROOT / "nbpar")
+    wrong = {m: sorted(t for t in targets if t.startswith(("nbpar.pool", "nbpar.view")))
+             for m, targets in graph.items() if m.startswith(("nbpar.train", "nbpar.parallel"))}
+    assert not {m: t for m, t in wrong.items() if t}
+
+
+def test_old_module_paths_still_import():
+    """In a fresh interpreter: an old import binds the old name as an attribute of the
+    package, which would shadow ``nbpar.compare`` (the function) in this one."""
+    import subprocess
+    import sys
+
+    code = ("import importlib, nbpar\n"
+            "for old, new in nbpar.MOVED.items():\n"
+            "    assert importlib.import_module('nbpar.' + old) is "
+            "importlib.import_module('nbpar.' + new), old\n"
+            "print(len(nbpar.MOVED))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) >= 20

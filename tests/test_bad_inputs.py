@@ -111,7 +111,7 @@ def test_pool_train_refuses_bad_config_without_engine_work():
         def _check_open(self):
             pass
 
-    from nbpar.run import start_run
+    from nbpar.pool.run import start_run
 
     with pytest.raises(ValueError, match="micro_batch"):
         start_run(NoEngines(), TrainConfig(micro_batch=-1))

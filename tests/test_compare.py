@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from nbpar.compare import compare, fmt_bytes
 from nbpar.config import TrainConfig
+from nbpar.view.compare import compare, fmt_bytes
 from tests.viz_fakes import MB, FakeRun, history
 
 

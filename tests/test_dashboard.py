@@ -5,10 +5,10 @@ import threading
 
 import pytest
 
-from nbpar.dashboard import Dashboard, format_seconds
-from nbpar.history import COMM_HEALTH, by_rank
-from nbpar.memory import estimate_memory
-from nbpar.plots import plot_losses, plot_memory, plot_step_split
+from nbpar.estimate import estimate_memory
+from nbpar.view.dashboard import Dashboard, format_seconds
+from nbpar.view.history import COMM_HEALTH, by_rank
+from nbpar.view.plots import plot_losses, plot_memory, plot_step_split
 from tests.viz_fakes import MB, FakeRun, history
 
 
@@ -178,8 +178,8 @@ def test_plot_step_split_static():
 
 
 def test_gpu_records_use_device_memory_and_show_utilisation():
-    from nbpar.dashboard import Dashboard
-    from nbpar.history import other_bytes
+    from nbpar.view.dashboard import Dashboard
+    from nbpar.view.history import other_bytes
     from tests.viz_fakes import FakeRun, history
 
     run = FakeRun(history=history(3))

@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from nbpar.config import TrainConfig
-from nbpar.data import (
+from nbpar.train.data import (
     CIFAR10,
     build_dataset,
     build_loader,

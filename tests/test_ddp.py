@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from nbpar.config import TrainConfig
-from nbpar.models import build_model, loss_fn
 from nbpar.parallel import build_runner
+from nbpar.train.models import build_model, loss_fn
 from tests.distributed import run_distributed
 
 

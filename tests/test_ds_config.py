@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from nbpar.ds_config import ds_config_for, validate_ds_config
+from nbpar.parallel.ds_config import ds_config_for, validate_ds_config
 
 CLASSIC = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
@@ -118,7 +118,8 @@ def test_params_offload_offloads_optimizer_too():
 
 
 def test_module_import_stays_light():
-    code = "import sys, nbpar.ds_config; print('torch' in sys.modules, 'deepspeed' in sys.modules)"
+    code = ("import sys, nbpar.parallel.ds_config; "
+            "print('torch' in sys.modules, 'deepspeed' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
     assert out.stdout.split() == ["False", "False"]

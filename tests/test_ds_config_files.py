@@ -57,7 +57,7 @@ def test_explicit_settings_fill_auto_and_real_conflicts_are_refused():
     path = str(CONFIGS / "huggingface_auto.json")
     cfg = nbpar.TrainConfig(deepspeed_config=path, micro_batch=2, grad_accum=3, lr=1e-2,
                             precision="bf16", grad_clip=1.0).validate(2)
-    from nbpar.ds_config import ds_config_for
+    from nbpar.parallel.ds_config import ds_config_for
 
     d = ds_config_for(cfg, 2)
     assert (d["train_micro_batch_size_per_gpu"], d["gradient_accumulation_steps"],

@@ -7,7 +7,7 @@ import urllib.request
 
 import pytest
 
-from nbpar.export import PrometheusExporter, to_tensorboard
+from nbpar.view.export import PrometheusExporter, to_tensorboard
 from tests.viz_fakes import MB, FakeRun, history
 
 
@@ -107,7 +107,7 @@ class _FakeWandb:
 def test_to_wandb_logs_every_rank_per_step(monkeypatch):
     import sys
 
-    from nbpar.export import to_wandb
+    from nbpar.view.export import to_wandb
     from tests.viz_fakes import FakeRun, history
 
     fake = _FakeWandb()
@@ -128,7 +128,7 @@ def test_to_wandb_explains_what_is_missing(monkeypatch):
 
     import pytest
 
-    from nbpar.export import to_wandb
+    from nbpar.view.export import to_wandb
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
     with pytest.raises(ImportError, match="pip install wandb"):

@@ -12,7 +12,8 @@ import psutil
 import pytest
 
 import nbpar
-from nbpar import device, launchers
+from nbpar import device
+from nbpar.pool import launchers
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NCCL_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"}
@@ -100,7 +101,7 @@ def test_launcher_options_reach_ipyparallel():
     script = pathlib.Path(es.batch_file).read_text()
     os.unlink(es.batch_file)
     assert "--account=proj42" in script and "--ntasks=16" in script
-    assert f"{sys.executable} -m nbpar._engine" in script
+    assert f"{sys.executable} -m nbpar.pool.engine" in script
     assert es.get_env()["NCCL_IB_DISABLE"] == "1"
 
 

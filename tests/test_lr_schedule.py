@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nbpar.lr_schedule import Schedule, resolve
+from nbpar.train.lr_schedule import Schedule, resolve
 
 SECTIONS = [
     {"type": "WarmupLR", "params": {"warmup_num_steps": 7}},

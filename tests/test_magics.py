@@ -20,7 +20,7 @@ def ip():
 
 
 def test_dist_before_a_pool_exists_says_how_to_start_one(ip):
-    from nbpar import pool as pool_mod
+    from nbpar.pool import pool as pool_mod
 
     saved = pool_mod._current
     pool_mod._current = None

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from nbpar.memory import (
+from nbpar.estimate import (
     MemoryEstimate,
     activation_bytes_per_layer,
     bytes_per_param,
@@ -149,7 +149,7 @@ def test_reprs_are_cheap_and_informative():
 
 
 def test_import_is_light():
-    code = ("import sys, nbpar.memory; "
+    code = ("import sys, nbpar.estimate; "
             "assert 'torch' not in sys.modules and 'matplotlib' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -227,7 +227,7 @@ def test_plot_bars_equal_the_numbers():
 
 
 def test_backend_models_what_implementations_hold_between_steps():
-    from nbpar.memory import estimate_memory
+    from nbpar.estimate import estimate_memory
 
     P, N = 1e6, 2
     paper = estimate_memory(P, N, "zero2").per_rank_bytes

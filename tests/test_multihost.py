@@ -62,7 +62,7 @@ class Hosts:
     def start_controller(self):
         import ipyparallel as ipp
 
-        from nbpar.pool import CONTROLLER_ARGS
+        from nbpar.pool.pool import CONTROLLER_ARGS
 
         self.cluster = ipp.Cluster(n=0, controller_ip=HOST_IP, log_level=40,
                                    controller_args=list(CONTROLLER_ARGS))
@@ -73,7 +73,7 @@ class Hosts:
         """`ip netns exec` + a UTS namespace: engine i on fake host nbphost<i>."""
         cfile = os.path.join(self.cluster.profile_dir, "security",
                              f"ipcontroller-{self.cluster.cluster_id}-engine.json")
-        engine = (f"hostname nbphost{i} && exec {sys.executable} -m nbpar._engine "
+        engine = (f"hostname nbphost{i} && exec {sys.executable} -m nbpar.pool.engine "
                   f"--file={cfile} --IPEngine.id={i} --log-level=40")
         with open(os.path.join(log_dir, f"engine{i}.log"), "ab") as log:
             self.procs.append(subprocess.Popen(
@@ -150,7 +150,8 @@ def test_engines_on_two_hosts_rendezvous_on_engine_0_and_all_reduce(hosts):
         assert pool.addr == Hosts.addr(0)  # engine 0's namespace address, not 127.0.0.1
         assert [e["host"] for e in pool.engines] == ["nbphost0", "nbphost1"]
         assert [e["local_rank"] for e in pool.engines] == [0, 0]
-        seen = pool.run(lambda: __import__("nbpar.worker").worker.routable_address("10.213.7.1"))
+        seen = pool.run(
+            lambda: __import__("nbpar.pool.worker").pool.worker.routable_address("10.213.7.1"))
         assert seen == [Hosts.addr(0), Hosts.addr(1)]
         res = pool.execute("import torch, torch.distributed as dist\n"
                            "t = torch.arange(4.0) * (dist.get_rank() + 1)\ndist.all_reduce(t)\n"
@@ -168,11 +169,11 @@ def test_unreachable_rendezvous_names_the_address_and_leaves_nothing(hosts):
         hosts.start_engine(i, hosts.log_dir)
     hosts.wait_for_engines(2)  # registration is not what this test times
     before = _children_except(hosts)
-    live = set(nbpar.pool._live)
+    live = set(nbpar.pool.pool._live)
     t = time.monotonic()
     with pytest.raises(PoolError, match=rf"{Hosts.addr(0)}:\d+ within 4 s.*reachable"):
         _connect(hosts, start_timeout=4, pg_timeout=4)
     assert time.monotonic() - t < 60
     extra = _children_except(hosts) - before
     assert not extra, [psutil.Process(p).cmdline() for p in extra]  # the pool started nothing
-    assert set(nbpar.pool._live) == live  # ... and did not become the current pool
+    assert set(nbpar.pool.pool._live) == live  # ... and did not become the current pool

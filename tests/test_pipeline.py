@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from nbpar.config import GPTConfig, TrainConfig
-from nbpar.models import TinyGPT
-from nbpar.models import next_token_loss as lm_loss
 from nbpar.parallel import ds_pipeline, pipeline
-from nbpar.timeline import (
+from nbpar.train.models import TinyGPT
+from nbpar.train.models import next_token_loss as lm_loss
+from nbpar.train.timeline import (
     bubble_fraction,
     clock_offset,
     cristian_offset,

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 from torch.autograd.graph import saved_tensors_hooks
 
-from nbpar.models import next_token_loss as lm_loss
 from nbpar.parallel import pipeline
+from nbpar.train.models import next_token_loss as lm_loss
 from tests.distributed import run_distributed
 from tests.test_pipeline import ACCUM, batches, build_mesh, make_cfg, make_model
 

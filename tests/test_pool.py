@@ -61,7 +61,7 @@ def test_targets_and_errors(pool):
 
 
 def test_rerunning_init_in_a_cell_is_safe(pool):
-    from nbpar import worker
+    from nbpar.pool import worker
 
     # what re-running the pool cell does on the engines: leave, then join again
     pool._rendezvous()

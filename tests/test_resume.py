@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import nbpar
-from nbpar.checkpoint_meta import LATEST, read_meta
 from nbpar.config import TrainConfig
-from nbpar.train import run_training
+from nbpar.train.checkpoint_meta import LATEST, read_meta
+from nbpar.train.loop import run_training
 from tests.distributed import run_distributed
 
 GPT = dict(model="tiny_gpt", seed=2)

@@ -1,12 +1,12 @@
-"""The notebooks' helper experiments and figures (nbpar.teaching)."""
+"""The notebooks' helper experiments and figures (nbpar.view.teaching)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from matplotlib.patches import Rectangle
 
-from nbpar import teaching
-from nbpar.memory import zero_table
+from nbpar.estimate import zero_table
+from nbpar.view import teaching
 
 
 def _rects(fig):

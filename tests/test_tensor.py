@@ -15,10 +15,10 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.testing import assert_close
 
 from nbpar.config import GPTConfig, TrainConfig
-from nbpar.models import Attention, FeedForward, TinyGPT, build_model, loss_fn
 from nbpar.parallel.mesh import ParallelDims
 from nbpar.parallel.runner import StepRunner
 from nbpar.parallel.tensor import apply_tp, block_plan, build_runner, check_tp
+from nbpar.train.models import Attention, FeedForward, TinyGPT, build_model, loss_fn
 from tests.distributed import run_distributed
 
 GPT = GPTConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=2)

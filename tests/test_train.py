@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from nbpar.config import TrainConfig
-from nbpar.train import run_training
+from nbpar.train.loop import run_training
 from tests.distributed import run_distributed
 
 MODELS = ("simple_cnn", "tiny_gpt")
@@ -111,8 +111,8 @@ def test_grad_accum_equals_bigger_micro_batch_without_process_group():
 def test_batches_roll_over_into_a_reshuffled_epoch():
     from torch.utils.data import TensorDataset
 
-    from nbpar.data import build_loader
-    from nbpar.train import _Batches
+    from nbpar.train.data import build_loader
+    from nbpar.train.loop import _Batches
 
     cfg = TrainConfig(micro_batch=4, seed=2)
     ds = TensorDataset(torch.arange(16), torch.arange(16))

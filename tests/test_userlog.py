@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from nbpar import userlog
+from nbpar.train import userlog
 
 
 @dataclass
@@ -68,7 +68,7 @@ def test_logplot_one_line_per_rank_per_metric_growing_in_place():
 
 @pytest.mark.timeout(120)
 def test_log_on_engines_reaches_the_async_results(pool):
-    code = ("import nbpar.userlog as ul\nul.reset()\n"
+    code = ("import nbpar.train.userlog as ul\nul.reset()\n"
             "for i in range(3):\n    ul.log(loss=float(i) + ul._rank())\n"
             "n_local = len(ul.RECORDS)")
     ars = {r: pool.client[pool.engine_id(r)].execute(code, block=False) for r in range(2)}
@@ -79,4 +79,4 @@ def test_log_on_engines_reaches_the_async_results(pool):
     assert plot.update() is True, plot.records()
     assert list(plot.lines["loss", 0].get_ydata()) == [0.0, 1.0, 2.0], plot.records()
     assert list(plot.lines["loss", 1].get_ydata()) == [1.0, 2.0, 3.0]
-    assert pool.run(lambda: __import__("nbpar.userlog").userlog.RECORDS) == [[], []]
+    assert pool.run(lambda: __import__("nbpar.train.userlog").train.userlog.RECORDS) == [[], []]

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from nbpar.config import GPTConfig
-from nbpar.dashboard import Dashboard
-from nbpar.widgets import StrategyPicker
+from nbpar.view.dashboard import Dashboard
+from nbpar.view.widgets import StrategyPicker
 from tests.viz_fakes import FakeRun, history
 
 

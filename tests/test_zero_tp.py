@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nbpar.config import TrainConfig
-from nbpar.train import run_training
+from nbpar.train.loop import run_training
 from tests.distributed import run_distributed
 
 STEPS = 6

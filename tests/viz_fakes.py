@@ -11,7 +11,7 @@ MB = 2 ** 20
 
 
 def record(step: int, rank: int, *, comm_s: float = 0.01, tokens: bool = True) -> dict:
-    """One step record like nbpar.train publishes; values differ per step and rank."""
+    """One step record like nbpar.train.loop publishes; values differ per step and rank."""
     step_s = 0.05 + 0.001 * step + 0.01 * rank
     samples = 16 / step_s
     return {"step": step, "rank": rank, "loss": 5.0 / (1 + step) + 0.01 * rank,

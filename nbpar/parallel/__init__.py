@@ -53,8 +53,8 @@ def model_device_type(model) -> str:
 
 def build_single_runner(model, cfg, mesh=None):
     """Plain one-process training: the base StepRunner."""
-    from nbpar.models import loss_fn
     from nbpar.parallel.runner import StepRunner
+    from nbpar.train.models import loss_fn
 
     return StepRunner(model, make_optimizer(model.parameters(), cfg), loss_fn(cfg.model),
                       autocast_dtype=autocast_dtype(cfg), device_type=model_device_type(model))

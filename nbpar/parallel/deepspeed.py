@@ -17,7 +17,12 @@ import warnings
 import torch
 
 from nbpar import device
-from nbpar.ds_config import DEEPSPEED_ONLY_PARAMS, ds_config_for, offload_device, optimizer_kind
+from nbpar.parallel.ds_config import (
+    DEEPSPEED_ONLY_PARAMS,
+    ds_config_for,
+    offload_device,
+    optimizer_kind,
+)
 from nbpar.parallel.runner import StepRunner, tensor_bytes
 
 # optimizer attributes that hold fp32 master copies (stage 0-3, bf16/fp16 wrappers)
@@ -46,10 +51,12 @@ def _view_bytes(tensors) -> int:
 def import_deepspeed():
     """Import deepspeed the CPU-safe way: DS_ACCELERATOR=cpu without a GPU, no shm op."""
     device.deepspeed_env()
-    with _quiet_stderr():  # its import probes the linker for libaio: harmless noise
+    # the first look at its ops probes the linker for libaio ("ld: cannot find -laio"
+    # on stderr): harmless noise that reads like a failure in a notebook
+    with _quiet_stderr():
         import deepspeed
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     # its per-engine INFO banner would fill every notebook cell's output
     deepspeed.utils.logger.setLevel(logging.WARNING)
     # DeepSpeed still calls collectives torch has renamed; one warning per call
@@ -165,7 +172,7 @@ class DeepSpeedRunner(StepRunner):
 
     def set_update_rule(self, cfg, pp_group=None) -> None:
         """Nothing to do: the engine clips and schedules as its config says
-        (`nbpar.ds_config.ds_config_for` wrote the TrainConfig's values there)."""
+        (`nbpar.parallel.ds_config.ds_config_for` wrote the TrainConfig's values there)."""
 
     def _grad_bytes(self) -> int:
         """``.grad`` of params and masters, plus DeepSpeed's gradient partitions counted
@@ -257,7 +264,7 @@ def release(engine) -> None:
 def initialize(model, config: dict, mesh=None):
     """``deepspeed.initialize`` on the existing process group with a client optimizer.
 
-    ``config`` is a full ds_config (see `nbpar.ds_config.ds_config_for`); its
+    ``config`` is a full ds_config (see `nbpar.parallel.ds_config.ds_config_for`); its
     "optimizer" section becomes the client optimizer. With a ``mesh`` whose dp
     is smaller than the world, the engine gets the dp group through `MeshMPU`.
     """
@@ -280,14 +287,14 @@ def initialize(model, config: dict, mesh=None):
 def build_runner(model, cfg, mesh, loss=None) -> DeepSpeedRunner:
     """DeepSpeed ZeRO stage 0 (``ddp``), 1, 2 or 3 over ``mesh["dp"]`` as ``cfg`` asks.
 
-    ``loss`` defaults to ``nbpar.models.loss_fn(cfg.model)``.
+    ``loss`` defaults to ``nbpar.train.models.loss_fn(cfg.model)``.
     """
     if cfg.strategy not in ("ddp", "zero1", "zero2", "zero3"):
         raise ValueError(f"the DeepSpeed ZeRO runner takes strategy ddp, zero1, zero2 or "
                          f"zero3, got {cfg.strategy!r}")
     config = ds_config_for(cfg, mesh["dp"].size())
     if loss is None:
-        from nbpar.models import loss_fn
+        from nbpar.train.models import loss_fn
         loss = loss_fn(cfg.model)
     engine = initialize(model, config, mesh)
     return DeepSpeedRunner(engine, loss, config)

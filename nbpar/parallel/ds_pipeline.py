@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nbpar.ds_config import ds_config_for
+from nbpar.parallel.ds_config import ds_config_for
 
 from .deepspeed import client_optimizer, import_deepspeed, release
 from .runner import StepRunner
@@ -60,7 +60,7 @@ def zero_stage(cfg) -> int:
 
 def ds_config(cfg, dp: int) -> dict:
     """The DeepSpeed config of a pipeline run: the one every DeepSpeed run gets
-    (`nbpar.ds_config.ds_config_for`), on ZeRO stage 0 or 1."""
+    (`nbpar.parallel.ds_config.ds_config_for`), on ZeRO stage 0 or 1."""
     zero_stage(cfg)
     if cfg.precision == "fp16":
         raise ValueError("DeepSpeed pipeline runs here in precision fp32 or bf16, got 'fp16'")
@@ -119,7 +119,7 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> DeepSpeedPipel
     from deepspeed.pipe import PipelineModule
 
     if loss_fn is None:
-        from nbpar.models import loss_fn as make_loss
+        from nbpar.train.models import loss_fn as make_loss
 
         loss_fn = make_loss(cfg.model)
     pp, dp = mesh["pp"].size(), mesh["dp"].size()

@@ -22,7 +22,8 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-from .. import timeline as _timeline
+from nbpar.train import timeline as _timeline
+
 from . import autocast_dtype as precision_dtype
 from . import make_optimizer
 from .runner import StepRunner
@@ -146,7 +147,7 @@ class TimedStage(PipelineStage):
 
 
 def default_loss(cfg):
-    from ..models import loss_fn
+    from nbpar.train.models import loss_fn
 
     return loss_fn(cfg.model)
 

@@ -104,9 +104,9 @@ class StepRunner:
 
     def set_update_rule(self, cfg, pp_group=None) -> None:
         """Clip to ``cfg.grad_clip`` and follow ``cfg.lr_schedule`` (DeepSpeed's
-        semantics, `nbpar.lr_schedule`); ``pp_group`` joins the gradient norm of
+        semantics, `nbpar.train.lr_schedule`); ``pp_group`` joins the gradient norm of
         pipeline stages, which each hold some of the parameters."""
-        from nbpar.lr_schedule import Schedule, resolve
+        from nbpar.train.lr_schedule import Schedule, resolve
 
         self.max_grad_norm = float(cfg.grad_clip)
         self.norm_group = pp_group

@@ -102,7 +102,7 @@ class TensorParallelRunner(StepRunner):
     """
 
     def __init__(self, *args, dp_group=None, fsdp: bool = False, **kwargs):
-        from nbpar.metrics import CommTimer
+        from nbpar.train.metrics import CommTimer
 
         super().__init__(*args, **kwargs)
         self.dp_group = dp_group
@@ -161,7 +161,7 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> StepRunner:
         raise ValueError(f"the tensor-parallel runner needs pp = 1, got pp = "
                          f"{mesh['pp'].size()}; pipeline x tensor is strategy 'hybrid'")
     if loss_fn is None:
-        from nbpar.models import loss_fn as model_loss
+        from nbpar.train.models import loss_fn as model_loss
 
         loss_fn = model_loss(cfg.model)
     device_type = model_device_type(model)

@@ -142,18 +142,18 @@ def _check(cfg) -> None:
 def build_runner(model, cfg, mesh, loss=None) -> StepRunner:
     """The runner of torch ZeRO ``cfg.strategy`` over ``mesh["dp"]``.
 
-    ``loss`` defaults to ``nbpar.models.loss_fn(cfg.model)``.
+    ``loss`` defaults to ``nbpar.train.models.loss_fn(cfg.model)``.
     """
     from nbpar.parallel import autocast_dtype, make_optimizer, model_device_type
 
     _check(cfg)
     if loss is None:
-        from nbpar.models import loss_fn
+        from nbpar.train.models import loss_fn
         loss = loss_fn(cfg.model)
     device_type = model_device_type(model)
     dp_mesh = mesh["dp"]
     if cfg.strategy == "zero1":
-        from nbpar.metrics import CommTimer
+        from nbpar.train.metrics import CommTimer
 
         timer = CommTimer()
         ddp, opt = apply_zero1(model, dp_mesh, OPTIMIZERS[cfg.optimizer], timer=timer,

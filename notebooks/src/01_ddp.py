@@ -25,8 +25,8 @@
 # %%
 # %matplotlib inline
 import nbpar
-import nbpar.data
-import nbpar.plots
+import nbpar.train.data
+import nbpar.view.plots
 # %load_ext nbpar
 
 # %%
@@ -46,7 +46,7 @@ pool
 import torch
 import torch.distributed as dist
 from torch import nn
-from nbpar.models import SimpleCNN
+from nbpar.train.models import SimpleCNN
 
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(rank)
@@ -57,7 +57,7 @@ print(f"{n_params} parameters, first conv weight {model.conv.weight[0, 0, 0, 0].
 # %% [markdown]
 # ## The data: CIFAR-10 files, read by the real loader
 #
-# `nbpar.data.cifar10_root()` returns a folder in the CIFAR-10 python format
+# `nbpar.train.data.cifar10_root()` returns a folder in the CIFAR-10 python format
 # (`data_batch_1..5`, `test_batch`, `batches.meta`). Without internet it writes a small
 # *synthetic* set in exactly that format (learnable class colours and stripes), so the
 # reader below is the same code that reads the real 170 MB download. Every rank reads
@@ -65,7 +65,7 @@ print(f"{n_params} parameters, first conv weight {model.conv.weight[0, 0, 0, 0].
 
 # %%
 # %%dist
-from nbpar.data import CIFAR10, cifar10_root
+from nbpar.train.data import CIFAR10, cifar10_root
 
 dataset = CIFAR10(cifar10_root(None, seed=0), train=True)
 x0, y0 = dataset[0]
@@ -175,12 +175,12 @@ cfg = nbpar.TrainConfig(model="simple_cnn", strategy="ddp", micro_batch=16, step
                         lr=1e-2, seed=0)
 run = pool.train(cfg).wait()
 res = run.result()
-print(nbpar.data.global_batch_line(cfg.micro_batch, cfg.grad_accum, pool.n))
+print(nbpar.train.data.global_batch_line(cfg.micro_batch, cfg.grad_accum, pool.n))
 print("first losses:", [round(x, 2) for x in res["losses"][:3]])
 print("last losses: ", [round(x, 2) for x in res["losses"][-3:]])
 
 # %%
-nbpar.plots.plot_losses(run, labels=["ddp, 2 ranks"])
+nbpar.view.plots.plot_losses(run, labels=["ddp, 2 ranks"])
 
 # %%
 pool.shutdown()

@@ -26,10 +26,10 @@
 # %%
 # %matplotlib inline
 import nbpar
-import nbpar.memory
-import nbpar.models
-import nbpar.plots
-import nbpar.teaching
+import nbpar.estimate
+import nbpar.train.models
+import nbpar.view.plots
+import nbpar.view.teaching
 from matplotlib.figure import Figure
 # %load_ext nbpar
 
@@ -53,12 +53,12 @@ print(nbpar.estimate_memory(13e9, 1, "single", precision="fp32").table())
 # data-parallel GPUs. Each stage divides one more part by 64:
 
 # %%
-rows = nbpar.memory.zero_table(7.5e9, dp=64, precision="mixed")
+rows = nbpar.estimate.zero_table(7.5e9, dp=64, precision="mixed")
 for r in rows:
     print(f"{r['name']:9s} stage {r['stage']}: params {r['params_gb']:6.2f} GB, "
           f"grads {r['grads_gb']:6.2f} GB, optimizer {r['optim_gb']:6.2f} GB, "
           f"total {r['total_gb']:6.2f} GB")
-nbpar.teaching.plot_zero_table(rows, title="7.5B params, Adam, mixed precision, 64 GPUs")
+nbpar.view.teaching.plot_zero_table(rows, title="7.5B params, Adam, mixed precision, 64 GPUs")
 
 # %% [markdown]
 # And the 13B model with ZeRO-3 on 64 GPUs: 3.25 GB per GPU. Offloading the optimizer
@@ -117,7 +117,7 @@ if rank == 0:
 # %%
 # %%dist
 from nbpar.config import TrainConfig
-from nbpar.models import build_model, next_token_loss
+from nbpar.train.models import build_model, next_token_loss
 
 ds_config = {
     "train_micro_batch_size_per_gpu": 8,
@@ -148,7 +148,7 @@ print(f"ffn.w1: full shape {tuple(w1.ds_shape)}, this rank stores {w1.ds_tensor.
 # %%
 # %%dist
 from torch.utils.data import DataLoader, DistributedSampler
-from nbpar.data import ByteWindows, pysource_bytes
+from nbpar.train.data import ByteWindows, pysource_bytes
 
 data = ByteWindows(pysource_bytes(), seq_len=32)       # bytes of the Python stdlib
 sampler = DistributedSampler(data, shuffle=True, seed=0)
@@ -220,7 +220,7 @@ for stage in (1, 2, 3):
 base = dict(model="tiny_gpt", micro_batch=8, steps=10, lr=1e-3, seed=0)
 runs = {s: pool.train(nbpar.TrainConfig(strategy=s, **base)).wait()
         for s in ("ddp", "zero1", "zero2", "zero3")}
-n_params = sum(p.numel() for p in nbpar.models.build_model(nbpar.TrainConfig(**base)).parameters())
+n_params = sum(p.numel() for p in nbpar.train.models.build_model(nbpar.TrainConfig(**base)).parameters())
 print(f"TinyGPT: {n_params} parameters")
 for s, run in runs.items():
     res = run.result()
@@ -251,7 +251,7 @@ print("DeepSpeed's bf16 ZeRO-3 run above stays within 0.01 of these fp32 losses:
 # %%
 fig = Figure(figsize=(12, 3.2), layout="constrained")
 for ax, (s, run) in zip(fig.subplots(1, 4), runs.items()):
-    nbpar.plots.plot_memory(run.result(), nbpar.estimate_memory(n_params, pool.n, s), ax=ax)
+    nbpar.view.plots.plot_memory(run.result(), nbpar.estimate_memory(n_params, pool.n, s), ax=ax)
     ax.set_ylim(0, 800e3)
     ax.set_title(s, fontsize="medium")
     ax.get_legend().remove()

@@ -26,7 +26,7 @@
 # %%
 # %matplotlib inline
 import nbpar
-import nbpar.timeline
+import nbpar.train.timeline
 from matplotlib.figure import Figure
 # %load_ext nbpar
 
@@ -47,7 +47,7 @@ pool
 # %%
 # %%dist
 from nbpar.config import GPTConfig, TrainConfig
-from nbpar.train import run_training
+from nbpar.train.loop import run_training
 
 gpt = GPTConfig(n_layers=4, d_model=128, seq_len=64)  # enough work per micro-batch
 timelines, losses = {}, {}
@@ -87,7 +87,7 @@ for schedule, values in losses.items():
 # %%
 fig = Figure(figsize=(10, 7.5), layout="constrained")
 for ax, (schedule, events) in zip(fig.subplots(3, 1), timelines.items()):
-    nbpar.timeline.plot_timeline(events, ax=ax, p=2, m=8)
+    nbpar.train.timeline.plot_timeline(events, ax=ax, p=2, m=8)
     ax.set_title(f"{schedule}: {ax.get_title()}", fontsize="medium")
 fig
 
@@ -106,7 +106,7 @@ for m in ms:
                                        micro_batch=4, grad_accum=m, steps=3, seed=0,
                                        gpt=nbpar.GPTConfig(n_layers=4, d_model=128, seq_len=64)))
     measured.append(run.result()["bubble_fraction"])
-theory = [nbpar.timeline.theory_bubble(p=2, m=m) for m in ms]
+theory = [nbpar.train.timeline.theory_bubble(p=2, m=m) for m in ms]
 print("theory:", [round(t, 3) for t in theory])
 
 # %%

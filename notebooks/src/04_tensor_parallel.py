@@ -24,8 +24,8 @@
 # %%
 # %matplotlib inline
 import nbpar
-import nbpar.plots
-import nbpar.teaching
+import nbpar.view.plots
+import nbpar.view.teaching
 # %load_ext nbpar
 
 # %%
@@ -72,7 +72,7 @@ print(f"A slice {tuple(A_r.shape)}, B slice {tuple(B_r.shape)}: all-reduced resu
 # column-wise, `w2` (down) row-wise. For `d_model = 32`, 4 heads, FFN width 128, tp = 2:
 
 # %%
-nbpar.teaching.plot_tp_split(d_model=32, ffn_dim=128, tp=2)
+nbpar.view.teaching.plot_tp_split(d_model=32, ffn_dim=128, tp=2)
 
 # %% [markdown]
 # `nbpar.parallel.tensor.apply_tp(model, tp_mesh)` applies that plan with PyTorch's
@@ -82,7 +82,7 @@ nbpar.teaching.plot_tp_split(d_model=32, ffn_dim=128, tp=2)
 # %%
 # %%dist
 from nbpar.config import GPTConfig, TrainConfig
-from nbpar.models import build_model
+from nbpar.train.models import build_model
 from nbpar.parallel.mesh import ParallelDims
 from nbpar.parallel.tensor import apply_tp
 
@@ -135,7 +135,7 @@ print("single :", [round(x, 2) for x in single_losses[:: 5]])
 print("max difference below 1e-4:", max(abs(a - b) for a, b in zip(tp_losses, single_losses)) < 1e-4)
 
 # %%
-nbpar.plots.plot_losses([run_tp, run_single], labels=["tp=2", "single process"])
+nbpar.view.plots.plot_losses([run_tp, run_single], labels=["tp=2", "single process"])
 
 # %% [markdown]
 # Per rank, the tensor-parallel run stores about half of the block weights (the

@@ -24,7 +24,7 @@
 # %%
 # %matplotlib inline
 import nbpar
-import nbpar.plots
+import nbpar.view.plots
 from matplotlib.figure import Figure
 # %load_ext nbpar
 
@@ -143,7 +143,7 @@ ppdp_losses, pptp_losses = run_ppdp.result()["losses"], run_pptp.result()["losse
 assert max(abs(a - b) for a, b in zip(ppdp_losses, pptp_losses)) < 1e-5  # fp32 rounding
 
 # %%
-nbpar.plots.plot_losses([run_ppdp, run_pptp], labels=["pp2 x dp2", "pp2 x tp2"])
+nbpar.view.plots.plot_losses([run_ppdp, run_pptp], labels=["pp2 x dp2", "pp2 x tp2"])
 
 # %% [markdown]
 # pp x dp: each rank holds one stage (half the layers, embeddings on the first stage,

@@ -26,9 +26,9 @@
 # %%
 # %matplotlib inline
 import nbpar
-import nbpar.data
-import nbpar.plots
-import nbpar.teaching
+import nbpar.train.data
+import nbpar.view.plots
+import nbpar.view.teaching
 from matplotlib.figure import Figure
 # %load_ext nbpar
 
@@ -51,7 +51,7 @@ common = dict(model="simple_cnn", strategy="ddp", micro_batch=1, steps=30, lr=1e
 small = nbpar.TrainConfig(grad_accum=1, **common)
 accum = nbpar.TrainConfig(grad_accum=16, **common)
 for cfg in (small, accum):
-    print(nbpar.data.global_batch_line(cfg.micro_batch, cfg.grad_accum, pool.n))
+    print(nbpar.train.data.global_batch_line(cfg.micro_batch, cfg.grad_accum, pool.n))
 run_small = pool.train(small).wait()
 run_accum = pool.train(accum).wait()
 
@@ -64,7 +64,7 @@ def roughness(losses):
 for name, run in (("global batch 2 ", run_small), ("global batch 32", run_accum)):
     losses = run.result()["losses"]
     print(f"{name}: last loss {losses[-1]:.2f}, step-to-step roughness {roughness(losses):.2f}")
-nbpar.plots.plot_losses([run_small, run_accum],
+nbpar.view.plots.plot_losses([run_small, run_accum],
                         labels=["micro 1 x accum 1 x dp 2", "micro 1 x accum 16 x dp 2"])
 
 # %% [markdown]
@@ -86,9 +86,9 @@ nbpar.plots.plot_losses([run_small, run_accum],
 import os
 import tempfile
 
-slow = nbpar.teaching.SlowDataset(n=128, delay_s=0.01)
-path = nbpar.teaching.write_packed(slow, os.path.join(tempfile.mkdtemp(), "train.npy"))
-packed = nbpar.teaching.PackedDataset(path)
+slow = nbpar.view.teaching.SlowDataset(n=128, delay_s=0.01)
+path = nbpar.view.teaching.write_packed(slow, os.path.join(tempfile.mkdtemp(), "train.npy"))
+packed = nbpar.view.teaching.PackedDataset(path)
 print(len(packed), "samples packed; same first sample:",
       bool((packed[0][0] == slow[0][0]).all()), packed[0][1] == slow[0][1])
 
@@ -99,7 +99,7 @@ settings = {"0 workers": (slow, {}),
             "2 persistent,\nprefetch 4": (slow, dict(num_workers=2, persistent_workers=True,
                                                      prefetch_factor=4)),
             "packed memmap,\n0 workers": (packed, {})}
-speed = {name: nbpar.teaching.loader_throughput(ds, batch_size=16, epochs=3, **kw)
+speed = {name: nbpar.view.teaching.loader_throughput(ds, batch_size=16, epochs=3, **kw)
          for name, (ds, kw) in settings.items()}
 print("2 workers faster than none:", speed["2 workers"] > speed["0 workers"])
 print("packed file faster than decoding:", speed["packed memmap,\n0 workers"] > speed["0 workers"])
@@ -139,8 +139,8 @@ comm = [run.result()["comm_fraction"] for run in (run_latency, run_compute)]
 print(f"comm share: accum 1 -> {comm[0]:.0%}, accum 16 -> {comm[1]:.0%}")
 fig = Figure(figsize=(10, 3), layout="constrained")
 left, right = fig.subplots(1, 2)
-nbpar.plots.plot_step_split(run_latency, ax=left)
-nbpar.plots.plot_step_split(run_compute, ax=right)
+nbpar.view.plots.plot_step_split(run_latency, ax=left)
+nbpar.view.plots.plot_step_split(run_compute, ax=right)
 left.set_title("tiny_gpt, micro 1 x accum 1", fontsize="medium")
 right.set_title("tiny_gpt, micro 1 x accum 16", fontsize="medium")
 fig
@@ -152,11 +152,11 @@ fig
 # panel is in the live dashboard shown when you display a `Run`). Above it: give each rank more work per all-reduce (a bigger
 # micro-batch, accumulation), overlap communication with backward (DDP's buckets do),
 # or use fewer, faster links (on GPUs: NVLink within a node before the network).
-# `nbpar.compare` puts the numbers side by side:
+# `nbpar.view.compare` puts the numbers side by side:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-nbpar.compare([run_latency, run_compute], labels=["accum 1", "accum 16"])
+nbpar.view.compare([run_latency, run_compute], labels=["accum 1", "accum 16"])
 
 # %%
 pool.shutdown()

@@ -31,9 +31,9 @@ import tempfile
 import time
 
 import nbpar
-import nbpar.checkpoint
-import nbpar.export
-import nbpar.plots
+import nbpar.train.checkpoint
+import nbpar.view.export
+import nbpar.view.plots
 # %load_ext nbpar
 
 # %%
@@ -78,7 +78,7 @@ run.wait()
 # %%
 # NBVAL_IGNORE_OUTPUT
 print(sorted(os.listdir(ckpt)))
-meta = nbpar.checkpoint.read_meta(nbpar.checkpoint.resolve(ckpt))
+meta = nbpar.train.checkpoint.read_meta(nbpar.train.checkpoint.resolve(ckpt))
 print({k: meta[k] for k in ("step", "world_size", "dims", "data", "global_batch")})
 
 # %% [markdown]
@@ -101,7 +101,7 @@ print("resumed run trains until step", resumed.history[-1]["step"])
 print("resumed losses equal the uninterrupted run's:", res_losses == ref_losses[start:])
 
 # %%
-ax = nbpar.plots.plot_losses(reference, labels=["uninterrupted"]).axes[0]
+ax = nbpar.view.plots.plot_losses(reference, labels=["uninterrupted"]).axes[0]
 ax.plot([r["step"] for r in resumed.history if r["rank"] == 1], res_losses, "o", ms=3,
         color="tab:red", label="resumed after the kill")
 ax.axvline(start, ls=":", color="k")
@@ -116,15 +116,15 @@ ax.figure
 #
 # ## One consolidated state dict
 #
-# For inference or sharing, `nbpar.checkpoint.consolidate` merges the shards of a
+# For inference or sharing, `nbpar.train.checkpoint.consolidate` merges the shards of a
 # checkpoint into one plain `{name: tensor}` file, loadable without nbpar's training
 # machinery by `model.load_state_dict`:
 
 # %%
 import torch
-from nbpar.models import build_model, next_token_loss
+from nbpar.train.models import build_model, next_token_loss
 
-out_file = nbpar.checkpoint.consolidate(ckpt, os.path.join(workdir, "tiny_gpt.pt"))
+out_file = nbpar.train.checkpoint.consolidate(ckpt, os.path.join(workdir, "tiny_gpt.pt"))
 state = torch.load(out_file, weights_only=True)
 model = build_model(cfg)
 print(model.load_state_dict(state))
@@ -140,7 +140,7 @@ print(len(state), "tensors,", sum(t.numel() for t in state.values()), "parameter
 
 # %%
 logdir = os.path.join(workdir, "tensorboard")
-dirs = nbpar.export.to_tensorboard(reference, logdir)
+dirs = nbpar.view.export.to_tensorboard(reference, logdir)
 print([os.path.relpath(d, logdir) for d in dirs])
 
 # %% [markdown]
@@ -160,7 +160,7 @@ print(len(loss_events), "loss points, first", round(loss_events[0].value, 2),
 # with `run`); here its final state as a figure:
 
 # %%
-from nbpar.dashboard import Dashboard
+from nbpar.view.dashboard import Dashboard
 
 board = Dashboard(reference)
 board.update(force=True)

@@ -28,7 +28,7 @@ ARTIFACTS = REPO / "artifacts" / "browser"
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
-ENGINE_MARKERS = ("nbpar._engine", "ipyparallel")
+ENGINE_MARKERS = ("nbpar.pool.engine", "ipyparallel")
 # Lab settings for a quiet, fully rendered page: no news fetch, every cell in the DOM.
 USER_SETTINGS = {
     "@jupyterlab/apputils-extension/notification": {"fetchNews": "false",

@@ -1,7 +1,7 @@
 """Per-step training records, grouped the way every figure reads them.
 
 A run publishes one record per (step, rank): loss, step/compute/comm seconds,
-throughput and memory bytes (see `nbpar.train`). The dashboard, the static
+throughput and memory bytes (see `nbpar.train.loop`). The dashboard, the static
 plots, the comparison table and the exporters all start from these helpers,
 so they agree on what "the latest step" or "the loss of a run" means.
 """

@@ -14,7 +14,7 @@ A runner with a DeepSpeed ``engine`` goes through ``engine.save_checkpoint`` /
     def load_checkpoint(self, path: str, *, distributed: bool) -> None
 
 Writes go to a temp folder renamed after every rank finished, then the
-``latest`` pointer flips atomically (see `nbpar.checkpoint_meta` for the layout).
+``latest`` pointer flips atomically (see `nbpar.train.checkpoint_meta` for the layout).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from nbpar.checkpoint_meta import (
+from nbpar.train.checkpoint_meta import (
     FORMAT_VERSION,
     LATEST,
     META,
@@ -233,10 +233,10 @@ def consolidate(checkpoint_path, out_file) -> str:
     ``checkpoint_path`` is a ``step_*`` folder or a checkpoint_dir (its
     ``latest``). The file holds a plain ``{name: tensor}`` dict that loads with
     ``torch.load(out_file, weights_only=True)`` into
-    ``nbpar.models.build_model(cfg).load_state_dict``. Runs in one process.
+    ``nbpar.train.models.build_model(cfg).load_state_dict``. Runs in one process.
     """
     from nbpar.config import TrainConfig
-    from nbpar.models import build_model
+    from nbpar.train.models import build_model
 
     step_dir = resolve(checkpoint_path)
     meta = read_meta(step_dir)

@@ -14,7 +14,7 @@ import statistics
 import time
 import uuid
 
-from nbpar.execute import OUTPUT_WAIT_S, wait_all
+from nbpar.pool.execute import OUTPUT_WAIT_S, wait_all
 
 _stop_stores: dict = {}
 
@@ -23,8 +23,8 @@ def train_on_engine(cfg: dict, run_id: str) -> dict:
     """Engine side: run_training with publication and a stop flag."""
     from ipyparallel.datapub import publish_data
 
-    from nbpar import worker
-    from nbpar.train import run_training
+    from nbpar.pool import worker
+    from nbpar.train.loop import run_training
 
     seq = itertools.count()
     store = worker._state.get("store")
@@ -75,7 +75,7 @@ class Run:
             try:
                 wait_all(self.pool, self._ars, 10.0)
             except Exception:
-                from nbpar.execute import interrupt
+                from nbpar.pool.execute import interrupt
 
                 interrupt(self.pool, [r for r, a in self._ars.items() if not a.ready()],
                           self._ars)
@@ -109,8 +109,8 @@ class Run:
 
     def estimate(self):
         """The analytic memory estimate for this run's model, strategy and degrees."""
-        from nbpar.memory import estimate_memory
-        from nbpar.models import build_model
+        from nbpar.estimate import estimate_memory
+        from nbpar.train.models import build_model
 
         cfg = self.cfg
         world = len(self.ranks)
@@ -135,7 +135,7 @@ class Run:
 
     def _ipython_display_(self):
         """Show the live dashboard; it keeps updating in a background thread."""
-        from nbpar.dashboard import Dashboard
+        from nbpar.view.dashboard import Dashboard
 
         self.dashboard = Dashboard(self).show()
 

@@ -40,7 +40,7 @@ def leave() -> None:
     if dist.is_available() and dist.is_initialized():
         import sys
 
-        train = sys.modules.get("nbpar.train")
+        train = sys.modules.get("nbpar.train.loop")
         if train is not None:
             train.forget_meshes()
         dist.destroy_process_group()

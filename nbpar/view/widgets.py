@@ -115,7 +115,7 @@ class StrategyPicker:
         """The Run button: validate again, train, show the run's dashboard."""
         from IPython.display import display
 
-        from nbpar.dashboard import Dashboard
+        from nbpar.view.dashboard import Dashboard
 
         if self.check() is not None:
             self._refresh()

@@ -13,8 +13,8 @@ import statistics
 import threading
 import time
 
-from nbpar.history import as_history, by_rank, steps_done
-from nbpar.panels import LossPanel, MemoryPanel, SplitPanel, ThroughputPanel
+from nbpar.view.history import as_history, by_rank, steps_done
+from nbpar.view.panels import LossPanel, MemoryPanel, SplitPanel, ThroughputPanel
 
 
 def format_seconds(s: float) -> str:

@@ -31,7 +31,7 @@ class DistMagics(Magics):
     @cell_magic
     def dist(self, line, cell):
         """Run the cell on the ranks of the current pool, output grouped per rank."""
-        from nbpar import pool as pool_mod
+        from nbpar.pool import pool as pool_mod
 
         args = _cell_parser().parse_args(shlex.split(line))
         if args.timeout is not None and args.timeout <= 0:
@@ -46,7 +46,7 @@ class DistMagics(Magics):
         from IPython.display import display
 
         import nbpar
-        from nbpar import pool as pool_mod
+        from nbpar.pool import pool as pool_mod
 
         words = shlex.split(line)
         cmd = words[0] if words else "status"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from nbpar.history import as_history, by_rank, memory_parts
+from nbpar.view.history import as_history, by_rank, memory_parts
 
 #: TensorBoard tag -> record key.
 SCALARS = {"loss": "loss", "time/step_s": "step_time_s", "time/compute_s": "compute_s",

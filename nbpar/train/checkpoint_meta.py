@@ -133,7 +133,7 @@ def model_signature(cfg) -> dict:
     no memory, no weights)."""
     import torch
 
-    from nbpar.models import build_model
+    from nbpar.train.models import build_model
 
     with torch.device("meta"):
         model = build_model(cfg)

@@ -231,7 +231,7 @@ class MemoryEstimate:
 
     def plot(self, ax=None):
         """Stacked bar (GB) of params/grads/optim/activations per rank; returns the Figure."""
-        from nbpar.memory_plot import plot_estimate
+        from nbpar.view.memory_plot import plot_estimate
         return plot_estimate(self, ax)
 
     def compare(self, measured: dict) -> dict:

@@ -2,7 +2,7 @@
 controller, which exits (with its schedulers) when the kernel that started it dies."""
 
 if __name__ == "__main__":
-    from nbpar._orphan import exit_with_parent
+    from nbpar.pool.orphan import exit_with_parent
 
     exit_with_parent()
     from ipyparallel.controller.app import main

@@ -5,8 +5,8 @@ Each function takes a Run, its history, or the CLI's result dict, draws on ``ax`
 """
 from __future__ import annotations
 
-from nbpar.history import as_history, by_rank, memory_parts, run_label
-from nbpar.panels import MEMORY_COLORS, SplitPanel, bytes_axis
+from nbpar.view.history import as_history, by_rank, memory_parts, run_label
+from nbpar.view.panels import MEMORY_COLORS, SplitPanel, bytes_axis
 
 _ESTIMATE_PARTS = {"params": "params", "grads": "grads", "optim": "optimizer",
                    "activations": "activations"}
@@ -78,7 +78,7 @@ def _measured(obj) -> tuple[list[int], list[dict], list[float | None]]:
 
 def plot_memory(result_or_history, estimate=None, ax=None):
     """Measured per-rank bytes (stacked params/grads/optimizer[/other]; a black tick at the
-    peak) next to a `nbpar.memory.MemoryEstimate`'s device bytes per rank."""
+    peak) next to a `nbpar.estimate.MemoryEstimate`'s device bytes per rank."""
     ranks, parts, peaks = _measured(result_or_history)
     ax = _axes(ax)
     colors = {**MEMORY_COLORS, "activations": "tab:cyan"}

@@ -10,8 +10,8 @@ import base64
 import html
 import io
 
-from nbpar.history import run_label
-from nbpar.panels import bytes_axis, fmt_bytes
+from nbpar.view.history import run_label
+from nbpar.view.panels import bytes_axis, fmt_bytes
 
 REQUIRED = ("config", "losses", "ranks", "step_time_s", "comm_fraction")
 COLUMNS = (("label", "run"), ("peak_bytes", "peak/rank"), ("param_bytes", "params/rank"),

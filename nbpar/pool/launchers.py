@@ -33,7 +33,7 @@ OMPI_ROOT_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"
 
 def engine_cmd() -> list[str]:
     """nbpar's engine: ipengine that imports torch while it registers."""
-    return [sys.executable, "-m", "nbpar._engine"]
+    return [sys.executable, "-m", "nbpar.pool.engine"]
 
 
 def check_launcher(launcher) -> None:
@@ -81,7 +81,7 @@ def configure(cluster, launcher: str, n: int, env: dict) -> None:
     cfg = cluster.config
     cfg.EngineLauncher.engine_cmd = engine_cmd()
     # a local controller exits with the kernel that started it
-    cfg.LocalControllerLauncher.controller_cmd = [sys.executable, "-m", "nbpar._controller"]
+    cfg.LocalControllerLauncher.controller_cmd = [sys.executable, "-m", "nbpar.pool.controller"]
     env = dict(env)
     if launcher.lower() == "mpi":
         if os.geteuid() == 0:

@@ -69,7 +69,7 @@ _STATE_COLORS = (("params_gb", "params", "tab:blue"), ("grads_gb", "grads", "tab
 
 
 def plot_zero_table(rows: list[dict], ax=None, title: str | None = None):
-    """Stacked GB per device of `nbpar.memory.zero_table` rows (ZeRO paper, Fig. 1).
+    """Stacked GB per device of `nbpar.estimate.zero_table` rows (ZeRO paper, Fig. 1).
 
     One bar per stage (baseline, P_os, P_os+g, P_os+g+p), params/grads/optimizer
     stacked, the total written above. Returns the Figure.
@@ -77,7 +77,7 @@ def plot_zero_table(rows: list[dict], ax=None, title: str | None = None):
     if not rows or not all(isinstance(r, dict) and "name" in r and "total_gb" in r
                            for r in rows):
         raise ValueError("rows must be the non-empty list returned by "
-                         "nbpar.memory.zero_table(params, dp)")
+                         "nbpar.estimate.zero_table(params, dp)")
     from matplotlib.figure import Figure
 
     if ax is None:

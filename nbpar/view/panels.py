@@ -3,11 +3,11 @@
 Each panel owns its artists (one line per rank, one bar segment per rank and
 part) and `set(groups)` only changes their data, so a live dashboard costs a
 few milliseconds per update plus one render; static plots use the same panels
-once. ``groups`` is `nbpar.history.by_rank(history)`.
+once. ``groups`` is `nbpar.view.history.by_rank(history)`.
 """
 from __future__ import annotations
 
-from nbpar.history import COMM_HEALTH, memory_parts, step_split, throughput
+from nbpar.view.history import COMM_HEALTH, memory_parts, step_split, throughput
 
 MEMORY_COLORS = {"params": "tab:blue", "grads": "tab:orange", "optimizer": "tab:green",
                  "other": "0.75"}

@@ -1,7 +1,7 @@
 """Entry point of an nbpar engine process: an ipyparallel engine that starts
 importing torch the moment it starts, while it registers with the controller.
 
-Started as ``python -m nbpar._engine <ipengine args>``; importing torch takes
+Started as ``python -m nbpar.pool.engine <ipengine args>``; importing torch takes
 ~1.5-2 s, about as long as registration, so the two overlap.
 """
 import threading
@@ -15,7 +15,7 @@ def _warm_imports():
 
 
 if __name__ == "__main__":
-    from nbpar._orphan import exit_with_parent
+    from nbpar.pool.orphan import exit_with_parent
 
     exit_with_parent()
     threading.Thread(target=_warm_imports, name="nbpar-warm-imports", daemon=True).start()

@@ -15,8 +15,8 @@ import weakref
 
 from nbpar import device
 from nbpar.errors import PoolError
-from nbpar.launchers import LAUNCHER_NEEDS  # noqa: F401
-from nbpar.launchers import check_launcher as _check_launcher
+from nbpar.pool.launchers import LAUNCHER_NEEDS  # noqa: F401
+from nbpar.pool.launchers import check_launcher as _check_launcher
 
 #: Faster than ipyparallel's defaults: engines register within ~0.2 s of
 #: starting (the default 3 s heartbeat period made registration take ~6 s); a
@@ -164,7 +164,7 @@ class Pool:
     def _start_cluster(self):
         import ipyparallel as ipp
 
-        from nbpar import launchers
+        from nbpar.pool import launchers
 
         kwargs = dict(n=self.n, engines=self.launcher, controller_ip=self.ip, delay=0,
                       controller_args=list(CONTROLLER_ARGS), log_level=40,
@@ -182,7 +182,7 @@ class Pool:
 
     def _rendezvous(self):
         """Engine 0 opens the store; all engines join the process group."""
-        from nbpar import worker
+        from nbpar.pool import worker
 
         ids = self._engine_ids
         peer = self._controller_host()
@@ -295,7 +295,7 @@ class Pool:
 
     def execute(self, code: str, targets=None, timeout: float | None = None):
         """Run ``code`` on the target ranks; return a DistResult (raises on error)."""
-        from nbpar.execute import run_cell
+        from nbpar.pool.execute import run_cell
 
         self._check_open()
         return run_cell(self, code, self.ranks(targets),
@@ -303,7 +303,7 @@ class Pool:
 
     def run(self, fn, *args, targets=None, timeout: float | None = None, **kwargs) -> list:
         """Call ``fn(*args, **kwargs)`` on each target rank; results in rank order."""
-        from nbpar.execute import wait_all
+        from nbpar.pool.execute import wait_all
 
         self._check_open()
         ranks = self.ranks(targets)
@@ -344,7 +344,7 @@ class Pool:
     # -- looking at it -----------------------------------------------------
     def status(self) -> list[dict]:
         """One dict per rank: rank, host, pid, device, state, memory; no engine round trip."""
-        from nbpar.status import pool_status
+        from nbpar.pool.status import pool_status
 
         return pool_status(self)
 
@@ -352,18 +352,18 @@ class Pool:
         return self.n
 
     def __repr__(self):
-        from nbpar.status import status_text
+        from nbpar.pool.status import status_text
 
         return status_text(self)
 
     def _repr_html_(self):
-        from nbpar.status import status_html
+        from nbpar.pool.status import status_html
 
         return status_html(self)
 
     def train(self, cfg=None, **kwargs):
         """Start a training run on the engines; returns a live Run at once."""
-        from nbpar.run import start_run
+        from nbpar.pool.run import start_run
 
         self._check_open()
         return start_run(self, cfg, **kwargs)

@@ -6,7 +6,7 @@ or none at all (strategy single). It builds the topology, the model, the
 strategy's StepRunner and this rank's data shard, runs ``cfg.steps`` optimizer
 steps of ``cfg.grad_accum`` micro-batches each, and reports per-step loss,
 memory and the compute/communication split. ``checkpoint_every`` saves
-through `nbpar.checkpoint`; ``resume_from`` continues at the saved step and
+through `nbpar.train.checkpoint`; ``resume_from`` continues at the saved step and
 data position (epoch + batches consumed), so the loss curve goes on unchanged.
 
 Step loss convention: a runner's ``train_step`` returns this rank's mean loss
@@ -23,12 +23,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from nbpar import checkpoint, device
+from nbpar import device
 from nbpar.config import TrainConfig
-from nbpar.data import build_loader
-from nbpar.metrics import CommTimer, memory_snapshot
-from nbpar.models import build_model
 from nbpar.parallel import build_runner
+from nbpar.train import checkpoint
+from nbpar.train.data import build_loader
+from nbpar.train.metrics import CommTimer, memory_snapshot
+from nbpar.train.models import build_model
 
 
 class _Batches:
