@@ -110,6 +110,29 @@ def synchronize(backend: str) -> None:
         torch.cuda.synchronize()
 
 
+def rss_bytes(pid: int | None = None) -> int | None:
+    """Resident set size of process ``pid`` (default: this one), None if unreadable."""
+    try:
+        with open(f"/proc/{pid or 'self'}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import psutil
+
+        return psutil.Process(pid).memory_info().rss
+    except Exception:
+        return None
+
+
+def peak_rss_bytes() -> int:
+    """Highest RSS this process reached (getrusage: KiB on Linux, bytes on macOS)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
 def half_precision_support(backend: str) -> dict[str, bool]:
     """Which half-precision dtypes this host computes natively: {"bf16": .., "fp16": ..}.
 

@@ -23,6 +23,14 @@ ACTIVATION_KEYS = ("batch", "seq_len", "hidden", "layers", "heads")
 ZERO_NAMES = ("baseline", "P_os", "P_os+g", "P_os+g+p")  # ZeRO paper, Fig. 1 columns
 GB = 1e9  # tables use decimal GB, as the papers do: 13e9 fp32 params = 52 GB
 
+
+def format_bytes(n: float) -> str:
+    """Decimal units everywhere nbpar prints bytes, as the papers' tables: 1.5 MB, 52.0 GB."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
 _ZERO_STAGE = {"zero1": 1, "zero2": 2, "zero3": 3}
 _OWN_DIM = {"ddp": "dp", "zero1": "dp", "zero2": "dp", "zero3": "dp", "pipeline": "pp",
             "tp": "tp"}

@@ -7,7 +7,8 @@ import re
 import pytest
 
 from nbpar.config import TrainConfig
-from nbpar.view.compare import compare, fmt_bytes
+from nbpar.estimate import format_bytes
+from nbpar.view.compare import compare
 from tests.viz_fakes import MB, FakeRun, history
 
 
@@ -46,7 +47,7 @@ def test_text_and_html_reprs():
     cmp = compare(list(_runs()))
     text = repr(cmp).splitlines()
     assert text[0].split()[:2] == ["run", "peak/rank"]
-    assert text[1].startswith("ddp/torch") and fmt_bytes(125 * MB) in text[1]
+    assert text[1].startswith("ddp/torch") and format_bytes(125 * MB) in text[1]
     page = cmp._repr_html_()
     assert page.count("<tr>") == 3 and "zero3/deepspeed" in page
     png = base64.b64decode(re.search(r"base64,([A-Za-z0-9+/=]+)", page).group(1))
@@ -63,4 +64,4 @@ def test_duplicate_labels_and_bad_input():
         compare([{"losses": [1.0]}])
     with pytest.raises(TypeError):
         compare([3])
-    assert fmt_bytes(52e9) == "52.0 GB" and fmt_bytes(512) == "512 B"
+    assert format_bytes(52e9) == "52.0 GB" and format_bytes(512) == "512 B"

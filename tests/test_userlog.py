@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from nbpar.train import userlog
+from nbpar.view.logplot import LogPlot
 
 
 @dataclass
@@ -44,7 +45,7 @@ def test_log_rejects_bad_values():
 
 def test_logplot_one_line_per_rank_per_metric_growing_in_place():
     ars = {0: FakeAR(), 1: FakeAR()}
-    plot = userlog.LogPlot(ars)
+    plot = LogPlot(ars)
     assert plot.update() is False and plot.figure.axes == []
     for step in range(3):
         for rank in (0, 1):
@@ -75,7 +76,7 @@ def test_log_on_engines_reaches_the_async_results(pool):
     for ar in ars.values():
         ar.get(60)
         ar.wait_for_output(10)  # data messages travel on IOPub, like printed output
-    plot = userlog.LogPlot(ars)
+    plot = LogPlot(ars)
     assert plot.update() is True, plot.records()
     assert list(plot.lines["loss", 0].get_ydata()) == [0.0, 1.0, 2.0], plot.records()
     assert list(plot.lines["loss", 1].get_ydata()) == [1.0, 2.0, 3.0]

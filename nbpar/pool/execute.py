@@ -168,7 +168,7 @@ def run_cell(pool, code: str, ranks, timeout: float | None) -> DistResult:
     ar = pool.view(ranks).execute(code, block=False, silent=False)
     ars = dict(zip(ranks, ar.split()))
     pool.track(ars)
-    from nbpar.train.userlog import LogPlot
+    from nbpar.view.logplot import LogPlot
 
     plot = LogPlot(ars, show=True)  # draws nbpar.log(...) records live, if any
     try:

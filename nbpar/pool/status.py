@@ -4,28 +4,18 @@ from __future__ import annotations
 import html
 import socket
 
+from nbpar import device
+from nbpar.estimate import format_bytes
+
 COLUMNS = ("rank", "host", "device", "pid", "memory", "state")
 
 
 def _rss(pid: int, host: str) -> int | None:
-    if host != socket.gethostname():
-        return None
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            import os
-
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
+    return device.rss_bytes(pid) if host == socket.gethostname() else None
 
 
 def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "?"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
+    return "?" if n is None else format_bytes(n)
 
 
 def pool_status(pool) -> list[dict]:

@@ -140,16 +140,7 @@ def _watch_client(client_pid: int, also_kill=()) -> None:
 
 def memory() -> dict:
     """Resident and peak memory of this engine, plus device memory on GPUs."""
-    import resource
-
     from nbpar import device
 
-    rss = 0
-    try:
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        pass
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"rss_bytes": rss, "peak_rss_bytes": peak,
+    return {"rss_bytes": device.rss_bytes() or 0, "peak_rss_bytes": device.peak_rss_bytes(),
             **device.memory_stats(_state.get("backend", "gloo"))}

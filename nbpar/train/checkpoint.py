@@ -35,6 +35,7 @@ from nbpar.train.checkpoint_meta import (
     FORMAT_VERSION,
     LATEST,
     META,
+    atomic_path,
     atomic_write_text,
     check_resume,
     checkpoint_format,
@@ -251,9 +252,8 @@ def consolidate(checkpoint_path, out_file) -> str:
     full = {k: v.detach().to("cpu").clone() for k, v in full.items()}
     out_file = os.fspath(out_file)
     os.makedirs(os.path.dirname(os.path.abspath(out_file)), exist_ok=True)
-    tmp = f"{out_file}.tmp-{os.getpid()}"
-    torch.save(full, tmp)
-    os.replace(tmp, out_file)
+    with atomic_path(out_file) as tmp:
+        torch.save(full, tmp)
     return out_file
 
 

@@ -14,6 +14,7 @@ time: the client runs `check_resume` before any engine works.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -50,15 +51,29 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def atomic_write_text(path: str, text: str) -> None:
-    """Write ``text`` to a temp file, fsync it, then ``os.replace`` it onto ``path``."""
+@contextlib.contextmanager
+def atomic_path(path: str):
+    """Yield a temp path beside ``path`` to write; on success it is fsynced and renamed
+    onto ``path`` (readers see the old file or the whole new one, never half of it)."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (`atomic_path`)."""
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
+        f.write(text)
 
 
 def list_checkpoints(checkpoint_dir: str) -> list[tuple[int, str]]:

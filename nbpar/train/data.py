@@ -73,10 +73,10 @@ def _read_batch(path: str):
 
 
 def _atomic_pickle(obj, path: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
+    from nbpar.train.checkpoint_meta import atomic_path
+
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
         pickle.dump(obj, f, protocol=2)
-    os.replace(tmp, path)
 
 
 def _synthetic_images(n: int, rng: np.random.Generator):

@@ -8,37 +8,17 @@ later (`CommTimer.watch`, used by the DDP comm hook on every gradient bucket).
 from __future__ import annotations
 
 import contextlib
-import os
-import resource
-import sys
 import threading
 import time
 
 from nbpar import device
 
 
-def rss_bytes() -> int:
-    """Resident set size of this process now."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        import psutil
-
-        return psutil.Process().memory_info().rss
-
-
-def peak_rss_bytes() -> int:
-    """Highest RSS this process reached (getrusage: KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
-
-
 def memory_snapshot(pg_backend: str) -> dict[str, int]:
     """rss_bytes, peak_bytes (device peak on a GPU, else peak RSS) and device stats."""
     stats = device.memory_stats(pg_backend)
-    return {"rss_bytes": rss_bytes(),
-            "peak_bytes": stats.get("device_peak_bytes", peak_rss_bytes()), **stats}
+    return {"rss_bytes": device.rss_bytes() or 0,
+            "peak_bytes": stats.get("device_peak_bytes", device.peak_rss_bytes()), **stats}
 
 
 def _union_length(intervals, lo: float, hi: float) -> float:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 
+from nbpar.estimate import format_bytes
 from nbpar.view.history import run_label
-from nbpar.view.panels import bytes_axis, fmt_bytes
+from nbpar.view.panels import bytes_axis, figure_png
 
 REQUIRED = ("config", "losses", "ranks", "step_time_s", "comm_fraction")
 COLUMNS = (("label", "run"), ("peak_bytes", "peak/rank"), ("param_bytes", "params/rank"),
@@ -24,7 +24,7 @@ def _fmt(key: str, value) -> str:
     if value is None:
         return "-"
     if key.endswith("_bytes"):
-        return fmt_bytes(value)
+        return format_bytes(value)
     if key == "step_time_s":
         return f"{value * 1e3:.1f} ms"
     if key == "comm_fraction":
@@ -93,9 +93,7 @@ class Comparison:
         return f"<table><tr>{head}</tr>{body}</table>"
 
     def png(self) -> bytes:
-        buf = io.BytesIO()
-        self.figure.savefig(buf, format="png")
-        return buf.getvalue()
+        return figure_png(self.figure)
 
     def _repr_html_(self) -> str:
         img = base64.b64encode(self.png()).decode("ascii")

@@ -7,14 +7,13 @@ most every ``min_interval_s``; the figure is a plain `matplotlib.figure.Figure`
 """
 from __future__ import annotations
 
-import io
 import os
 import statistics
 import threading
 import time
 
 from nbpar.view.history import as_history, by_rank, steps_done
-from nbpar.view.panels import LossPanel, MemoryPanel, SplitPanel, ThroughputPanel
+from nbpar.view.panels import LossPanel, MemoryPanel, SplitPanel, ThroughputPanel, figure_png
 
 
 def format_seconds(s: float) -> str:
@@ -123,9 +122,7 @@ class Dashboard:
 
     # -- output ----------------------------------------------------------------
     def png(self) -> bytes:
-        buf = io.BytesIO()
-        self.figure.savefig(buf, format="png")
-        return buf.getvalue()
+        return figure_png(self.figure)
 
     def save(self, path) -> str:
         """Write the current dashboard as a PNG file (headless; no display needed)."""

@@ -7,6 +7,7 @@ once. ``groups`` is `nbpar.view.history.by_rank(history)`.
 """
 from __future__ import annotations
 
+from nbpar.estimate import format_bytes
 from nbpar.view.history import COMM_HEALTH, memory_parts, step_split, throughput
 
 MEMORY_COLORS = {"params": "tab:blue", "grads": "tab:orange", "optimizer": "tab:green",
@@ -14,12 +15,13 @@ MEMORY_COLORS = {"params": "tab:blue", "grads": "tab:orange", "optimizer": "tab:
 SPLIT_COLORS = {"comm": "tab:red", "compute": "tab:gray"}
 
 
-def fmt_bytes(n: float) -> str:
-    """Decimal units, as the memory estimator: 1.5 MB, 52.0 GB."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n:.0f} B"
+def figure_png(figure) -> bytes:
+    """A matplotlib Figure as PNG bytes (every figure nbpar shows goes through here)."""
+    import io
+
+    buf = io.BytesIO()
+    figure.savefig(buf, format="png")
+    return buf.getvalue()
 
 
 def bytes_axis(ax) -> None:
@@ -81,7 +83,7 @@ class MemoryPanel:
                 bottom += parts[part]
             states = parts["params"] + parts["grads"] + parts["optimizer"]
             self.texts[i].set_position((i, bottom))
-            self.texts[i].set_text(f"states {fmt_bytes(states)}" if recs else "")
+            self.texts[i].set_text(f"states {format_bytes(states)}" if recs else "")
             top = max(top, bottom)
         # from the data, not get_ylim(): set_ylim turns autoscaling off, so reading the
         # old limit back would only ever grow it and push the labels off the axes
