@@ -35,6 +35,28 @@ def require_hybrid_degrees(strategy: str, dp, tp, pp) -> None:
                          "tp and pp so that dp x tp x pp equals the number of engines")
 
 
+INTERLEAVED_CHUNKS = 2  # model chunks per rank in the interleaved 1F1B schedule
+
+
+def check_pipeline_schedule(schedule: str, pp: int, micro_batches: int, n_layers: int,
+                            backend: str = "torch") -> int:
+    """The one rule for a pipeline's schedule; returns the model chunks per rank.
+
+    1F1B and interleaved keep at most pp micro-batches in flight, so they need at
+    least pp of them (DeepSpeed's engine runs any number); every stage needs a layer.
+    """
+    _choice("schedule", schedule, SCHEDULES)
+    if backend == "torch" and schedule != "gpipe" and micro_batches < pp:
+        raise ValueError(f"schedule {schedule!r} needs at least as many micro-batches "
+                         f"(grad_accum={micro_batches}) as pipeline stages (pp={pp}); "
+                         f"raise grad_accum or use schedule='gpipe'")
+    virtual = INTERLEAVED_CHUNKS if schedule == "interleaved" else 1
+    if pp * virtual > n_layers:
+        raise ValueError(f"schedule {schedule!r} with pp={pp} needs {pp * virtual} "
+                         f"layers, gpt.n_layers={n_layers}")
+    return virtual
+
+
 def _choice(name: str, value, allowed) -> None:
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is not supported; choose one of {', '.join(allowed)}")
@@ -291,15 +313,8 @@ class TrainConfig:
             raise ValueError(f"pp={pp} pipeline stages need at least {pp} layers, "
                              f"gpt.n_layers={self.gpt.n_layers}")
         if self.strategy in PIPELINED and pp > 1:
-            # (DeepSpeed's pipeline engine runs any number of micro-batches)
-            if self.backend == "torch" and self.schedule != "gpipe" and self.grad_accum < pp:
-                raise ValueError(f"schedule {self.schedule!r} needs at least as many "
-                                 f"micro-batches (grad_accum={self.grad_accum}) as pipeline "
-                                 f"stages (pp={pp}); raise grad_accum or use schedule='gpipe'")
-            stages = pp * (2 if self.schedule == "interleaved" else 1)
-            if stages > self.gpt.n_layers:
-                raise ValueError(f"schedule {self.schedule!r} with pp={pp} needs {stages} "
-                                 f"layers, gpt.n_layers={self.gpt.n_layers}")
+            check_pipeline_schedule(self.schedule, pp, self.grad_accum, self.gpt.n_layers,
+                                    self.backend)
 
     def _validate_optimizer(self) -> None:
         from nbpar.parallel.ds_config import OPTIMIZER_PARAMS

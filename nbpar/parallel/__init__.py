@@ -24,19 +24,26 @@ DISPATCH = {
 }
 
 
-def make_optimizer(params, cfg):
-    """The torch optimizer of ``cfg``: Adam, AdamW or SGD with ``cfg.lr`` and
-    ``cfg.optimizer_params``; weight decay 0 unless given (DeepSpeed's default)."""
+def optimizer_spec(cfg):
+    """(torch optimizer class, its keyword arguments) of ``cfg``: Adam, AdamW or SGD with
+    ``cfg.lr`` and ``cfg.optimizer_params``; weight decay 0 unless given (DeepSpeed's
+    default, so a ds_config's optimizer and this one agree)."""
     import torch
 
     classes = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
     if cfg.optimizer not in classes:
         raise ValueError(f"optimizer={cfg.optimizer!r} is not supported; choose "
                          f"{', '.join(classes)}")
-    kwargs = {"weight_decay": 0.0, **(cfg.optimizer_params or {})}
+    kwargs = {"lr": cfg.lr, "weight_decay": 0.0, **(cfg.optimizer_params or {})}
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
-    return classes[cfg.optimizer](params, lr=cfg.lr, **kwargs)
+    return classes[cfg.optimizer], kwargs
+
+
+def make_optimizer(params, cfg):
+    """The torch optimizer of ``cfg`` (see `optimizer_spec`), the same on every strategy."""
+    cls, kwargs = optimizer_spec(cfg)
+    return cls(params, **kwargs)
 
 
 def autocast_dtype(cfg):

@@ -54,7 +54,7 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> StepRunner:
     ``tensor.build_runner``'s job and is delegated there; backend deepspeed
     goes to ``ds_pipeline`` (pp x dp, no tp).
     """
-    if getattr(cfg, "backend", "torch") == "deepspeed":  # pp x dp via PipelineModule
+    if cfg.backend == "deepspeed":  # pp x dp via PipelineModule
         from . import ds_pipeline
 
         return ds_pipeline.build_runner(model, cfg, mesh, loss_fn=loss_fn)

@@ -22,6 +22,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
+from nbpar.config import check_pipeline_schedule
 from nbpar.train import timeline as _timeline
 
 from . import autocast_dtype as precision_dtype
@@ -31,7 +32,6 @@ from .saved_activations import SavedActivations
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
              "interleaved": ScheduleInterleaved1F1B}
-INTERLEAVED_CHUNKS = 2
 """model chunks (virtual stages) per rank for the interleaved schedule"""
 theory_bubble = _timeline.theory_bubble
 
@@ -88,17 +88,8 @@ def split_stages(model: nn.Module, pp_rank: int, pp_size: int,
 
 def validate(cfg, pp: int, n_layers: int) -> int:
     """Check the schedule against pp and the model; return chunks per rank."""
-    if cfg.schedule not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {cfg.schedule!r}; "
-                         f"choose one of {', '.join(SCHEDULES)}")
-    virtual = INTERLEAVED_CHUNKS if cfg.schedule == "interleaved" else 1
-    if cfg.schedule != "gpipe" and cfg.grad_accum < pp:
-        raise ValueError(f"schedule {cfg.schedule!r} needs at least as many micro-batches "
-                         f"(grad_accum={cfg.grad_accum}) as pipeline stages (pp={pp})")
-    if pp * virtual > n_layers:
-        raise ValueError(f"schedule {cfg.schedule!r} with pp={pp} needs {pp * virtual} "
-                         f"stages but the model has only {n_layers} layers")
-    if getattr(cfg, "precision", "fp32") == "fp16":
+    virtual = check_pipeline_schedule(cfg.schedule, pp, cfg.grad_accum, n_layers)
+    if cfg.precision == "fp16":
         raise ValueError("pipeline training supports precision fp32 or bf16, got 'fp16'")
     return virtual
 

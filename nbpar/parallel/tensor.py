@@ -169,7 +169,7 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> StepRunner:
     dp_mesh = mesh["dp"]
     dp_group, fsdp = None, False
     if dp_mesh.size() > 1:
-        reshard = getattr(cfg, "fsdp_reshard", None)
+        reshard = cfg.fsdp_reshard
         if reshard is None and cfg.strategy.startswith("zero"):
             reshard = cfg.strategy == "zero3"
         if reshard is None:

@@ -18,7 +18,6 @@ from nbpar.parallel.ddp import DDPRunner
 from nbpar.parallel.runner import StepRunner, optimizer_state_tensors, tensor_bytes
 
 TORCH_PRECISIONS = ("fp32", "bf16")
-OPTIMIZERS = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}  # as make_optimizer builds
 
 
 def model_blocks(model: nn.Module) -> list[nn.Module]:
@@ -133,9 +132,10 @@ def _check(cfg) -> None:
     if cfg.precision not in TORCH_PRECISIONS:
         raise ValueError(f"precision={cfg.precision!r} with backend='torch' ZeRO is not "
                          f"supported; use fp32 or bf16 (fp16 needs backend='deepspeed')")
-    if cfg.optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer={cfg.optimizer!r} is not supported; choose adam or sgd")
-    if getattr(cfg, "offload", "none") != "none":
+    from nbpar.parallel import optimizer_spec
+
+    optimizer_spec(cfg)  # an unknown optimizer fails here, before any group is touched
+    if cfg.offload != "none":
         raise ValueError(f"offload={cfg.offload!r} needs backend='deepspeed'")
 
 
@@ -144,7 +144,7 @@ def build_runner(model, cfg, mesh, loss=None) -> StepRunner:
 
     ``loss`` defaults to ``nbpar.train.models.loss_fn(cfg.model)``.
     """
-    from nbpar.parallel import autocast_dtype, make_optimizer, model_device_type
+    from nbpar.parallel import autocast_dtype, make_optimizer, model_device_type, optimizer_spec
 
     _check(cfg)
     if loss is None:
@@ -156,12 +156,12 @@ def build_runner(model, cfg, mesh, loss=None) -> StepRunner:
         from nbpar.train.metrics import CommTimer
 
         timer = CommTimer()
-        ddp, opt = apply_zero1(model, dp_mesh, OPTIMIZERS[cfg.optimizer], timer=timer,
-                               lr=cfg.lr)
+        cls, kwargs = optimizer_spec(cfg)
+        ddp, opt = apply_zero1(model, dp_mesh, cls, timer=timer, **kwargs)
         return Zero1Runner(ddp, opt, loss, timer=timer, autocast_dtype=autocast_dtype(cfg),
                            device_type=device_type)
     reshard = cfg.strategy == "zero3"
-    if getattr(cfg, "fsdp_reshard", None) is not None:
+    if cfg.fsdp_reshard is not None:
         reshard = cfg.fsdp_reshard
     apply_fsdp(model, dp_mesh, reshard, param_dtype=autocast_dtype(cfg))
     return FSDPRunner(model, make_optimizer(model.parameters(), cfg), loss,

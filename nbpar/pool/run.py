@@ -16,6 +16,8 @@ import uuid
 
 from nbpar.pool.execute import OUTPUT_WAIT_S, wait_all
 
+# Process-wide registry (the kernel): one client connection to each pool's rendezvous
+# store, where `Run.stop` raises the flag that every rank checks between steps.
 _stop_stores: dict = {}
 
 

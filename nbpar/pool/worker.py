@@ -14,6 +14,8 @@ import threading
 import time
 from datetime import timedelta
 
+# Process-wide registry (one per engine process): the rendezvous store, rank, world size
+# and backend of the group this engine joined; `join` fills it, `leave` empties it.
 _state: dict = {}
 
 
@@ -38,11 +40,9 @@ def leave() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        import sys
+        from nbpar.parallel.mesh import forget_meshes
 
-        train = sys.modules.get("nbpar.train.loop")
-        if train is not None:
-            train.forget_meshes()
+        forget_meshes()  # their sub-groups die with the default group
         dist.destroy_process_group()
     _state.pop("store", None)
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from nbpar import device
 from nbpar.config import TrainConfig
 from nbpar.parallel import build_runner
+from nbpar.parallel.mesh import cached_mesh
 from nbpar.train import checkpoint
 from nbpar.train.data import build_loader
 from nbpar.train.metrics import CommTimer, memory_snapshot
@@ -82,28 +83,6 @@ def _agree_to_stop(should_stop, dev, world: int) -> bool:
     return bool(flag.item())
 
 
-_MESHES: dict = {}
-
-
-def mesh_for(dims, device_type: str):
-    """One DeviceMesh per layout for the life of the process group.
-
-    Destroying a mesh's sub-groups after a run breaks the next mesh of the same
-    layout (DTensor resolves groups by registered name); keeping one mesh per
-    layout costs a few sub-groups and nothing per run. ``worker.leave`` clears
-    the cache when the default group goes away.
-    """
-    key = (dims.shape, device_type, id(dist.group.WORLD))
-    if key not in _MESHES:
-        _MESHES[key] = dims.build_mesh(device_type)
-    return _MESHES[key]
-
-
-def forget_meshes() -> None:
-    """Drop cached meshes (their groups die with the default process group)."""
-    _MESHES.clear()
-
-
 def run_training(cfg: TrainConfig | dict, *, publish=None, should_stop=None,
                  on_finish=None) -> dict:
     """Train ``cfg`` on this rank and return its summary (see module docstring).
@@ -127,7 +106,7 @@ def run_training(cfg: TrainConfig | dict, *, publish=None, should_stop=None,
         else device.default_backend()
     dev = device.current_device(pg_backend)
     dims = cfg.dims(world)
-    mesh = mesh_for(dims, device.device_type(pg_backend)) if on else None
+    mesh = cached_mesh(dims, device.device_type(pg_backend)) if on else None
     runner = None
     try:
         model = build_model(cfg).to(dev)
