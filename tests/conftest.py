@@ -18,13 +18,22 @@ import psutil  # noqa: E402
 import pytest  # noqa: E402
 
 
+def _cmdline(p) -> str:
+    """A process's command line; "" once it has exited (a zombie waiting to be reaped
+    has exited: it is not left running)."""
+    try:
+        return " ".join(p.cmdline())
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        return ""
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_process_left_behind():
     """Every engine and controller a test starts must be gone when the tests end."""
     yield
     me = psutil.Process()
     left = [p for p in me.children(recursive=True)
-            if any(s in " ".join(p.cmdline()) for s in ("ipyparallel", "nbpar.pool.engine"))]
+            if any(s in _cmdline(p) for s in ("ipyparallel", "nbpar.pool.engine"))]
     for p in left:
         p.kill()
     assert not left, f"processes left running: {[p.cmdline() for p in left]}"

@@ -9,7 +9,7 @@ import weakref
 import pytest
 
 from tests.distributed import run_distributed
-from tests.test_zero import (
+from tests.reference.mlp import (
     BF16_LOSS_ATOL,
     BF16_PARAM_ATOL,
     WORLD,

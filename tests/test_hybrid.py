@@ -11,7 +11,7 @@ import torch
 from nbpar.parallel import hybrid
 from nbpar.parallel.mesh import ParallelDims
 from tests.distributed import run_distributed
-from tests.test_pipeline import (
+from tests.reference.gpt import (
     ACCUM,
     MICRO,
     batches,

@@ -5,14 +5,10 @@ of the full model on the same global batch with gradient accumulation.
 """
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
-from nbpar.config import GPTConfig, TrainConfig
 from nbpar.parallel import ds_pipeline, pipeline
-from nbpar.train.models import TinyGPT
 from nbpar.train.models import next_token_loss as lm_loss
 from nbpar.train.timeline import (
     bubble_fraction,
@@ -22,48 +18,16 @@ from nbpar.train.timeline import (
     theory_bubble,
 )
 from tests.distributed import run_distributed
-
-STEPS, ACCUM, MICRO = 20, 4, 2
-SIZES = dict(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=4)
-
-
-def make_model(seed=0, **sizes):
-    torch.manual_seed(seed)
-    return TinyGPT(GPTConfig(**{**SIZES, **sizes}))
-
-
-def make_cfg(**kw):
-    base = dict(model="tiny_gpt", schedule="1f1b", grad_accum=ACCUM, micro_batch=MICRO,
-                lr=1e-3, optimizer="adam", precision="fp32", strategy="pipeline",
-                gpt=GPTConfig(**SIZES))
-    return TrainConfig(**{**base, **kw})
-
-
-def batches(step, accum=ACCUM, micro=MICRO):
-    """The micro-batches (x, y) of global step ``step``; same on every rank."""
-    g = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, SIZES["vocab_size"], (accum * micro, SIZES["seq_len"] + 1),
-                           generator=g)
-    x, y = tokens[:, :-1], tokens[:, 1:]
-    return [(x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro])
-            for i in range(accum)]
-
-
-@functools.cache
-def single_losses(steps=STEPS, accum=ACCUM, micro=MICRO):
-    """Reference: full model, one process, accumulation over the same micro-batches."""
-    from nbpar.parallel.runner import StepRunner
-
-    model = make_model()
-    runner = StepRunner(model, torch.optim.Adam(model.parameters(), lr=1e-3), lm_loss)
-    return [runner.train_step(batches(s, accum, micro)).item()
-            for s in range(steps)]
-
-
-def build_mesh(world, **dims):
-    from nbpar.parallel.mesh import ParallelDims
-
-    return ParallelDims(world_size=world, **dims).build_mesh("cpu")
+from tests.reference.gpt import (
+    ACCUM,
+    MICRO,
+    STEPS,
+    batches,
+    build_mesh,
+    make_cfg,
+    make_model,
+    single_losses,
+)
 
 
 def _train_schedules(rank, world):
@@ -122,7 +86,10 @@ def test_timeline_is_complete_and_causal(pp2_results, schedule):
         for st in range(1, n_stages):
             assert span[(st, mb, "F")]["start"] >= span[(st - 1, mb, "F")]["end"]
             assert span[(st - 1, mb, "B")]["start"] >= span[(st, mb, "B")]["end"]
-    assert 0.0 < res["bubble"] < 1.0
+    # a schedule cannot idle less than its theory (equal stages); this tiny model's
+    # overheads make it idle more, never less
+    m, v = ACCUM, 2 if schedule == "interleaved" else 1
+    assert theory_bubble(2, m, v=v) - 0.02 <= res["bubble"] < 1.0
     assert res["bubble"] == pytest.approx(bubble_fraction(res["timeline"], 2))
     fig = plot_timeline(res["timeline"])
     assert len(fig.axes[0].patches) == len(res["timeline"])

@@ -13,7 +13,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from nbpar.parallel import pipeline
 from nbpar.train.models import next_token_loss as lm_loss
 from tests.distributed import run_distributed
-from tests.test_pipeline import ACCUM, batches, build_mesh, make_cfg, make_model
+from tests.reference.gpt import ACCUM, batches, build_mesh, make_cfg, make_model
 
 
 def one_microbatch_bytes() -> int:

@@ -80,7 +80,7 @@ def test_pipeline_run_reports_its_bubble(pool):
     res = pool.train(nbpar.TrainConfig(model="tiny_gpt", strategy="pipeline", schedule="gpipe",
                                        micro_batch=2, grad_accum=4, steps=3)).result()
     assert len(res["losses"]) == 3
-    assert 0 < res["bubble_fraction"] < 1
+    assert 1 / 5 - 0.02 <= res["bubble_fraction"] < 1  # GPipe p=2, m=4: at least 1/5 idle
 
 
 @pytest.mark.parametrize("strategy, backend", [("zero2", "torch"), ("zero1", "deepspeed"),

@@ -91,8 +91,9 @@ def test_should_stop_and_publish(ddp):
         assert [r["step"] for r in stopped["records"]] == [0, 1, 2]
         for rec in stopped["records"]:
             assert RECORD_KEYS <= set(rec) and rec["rank"] == rank
-            assert rec["tokens_per_s"] > 0 and rec["compute_s"] + rec["comm_s"] == \
-                pytest.approx(rec["step_time_s"])
+            # DDP on 2 ranks always communicates (bucket all-reduces, the loss all-reduce),
+            # and a step holds its communication
+            assert rec["tokens_per_s"] > 0 and 0 < rec["comm_s"] < rec["step_time_s"]
         # a re-run in the same process group reproduces the first run's losses
         assert stopped["result"]["losses"] == ddp[rank]["tiny_gpt"]["losses"][:3]
 

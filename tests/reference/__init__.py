@@ -1,0 +1,1 @@
+"""Reference models, batches and single-process losses shared by the strategy tests."""
