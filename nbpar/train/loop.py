@@ -28,6 +28,7 @@ from nbpar.config import TrainConfig
 from nbpar.parallel import build_runner
 from nbpar.parallel.mesh import cached_mesh
 from nbpar.train import checkpoint
+from nbpar.train.comm import CommMeter
 from nbpar.train.data import build_loader
 from nbpar.train.metrics import CommTimer, memory_snapshot
 from nbpar.train.models import build_model
@@ -134,12 +135,20 @@ def _loop(cfg, runner, batches, mesh, dims, rank, world, dev, pg_backend, publis
     tokens = cfg.gpt.seq_len if cfg.model == "tiny_gpt" else None
     device.reset_peak(pg_backend)
     history = []
+    # the step whose collectives are metered: the second (the first may include
+    # one-off set-up traffic such as FSDP's lazy init), or the only one
+    metered = min(start + 1, cfg.steps - 1)
+    comm = None
     for step in range(start, cfg.steps):
         if should_stop is not None and _agree_to_stop(should_stop, dev, world):
             break
         micro_batches = [batches.next() for _ in range(cfg.grad_accum)]
         timer.start_step()
-        loss = runner.train_step(micro_batches)
+        if step == metered:
+            with CommMeter() as comm:
+                loss = runner.train_step(micro_batches)
+        else:
+            loss = runner.train_step(micro_batches)
         device.synchronize(pg_backend)
         loss = _global_loss(loss, mesh, dims, dev, timer)
         step_s = timer.end_step()
@@ -149,6 +158,9 @@ def _loop(cfg, runner, batches, mesh, dims, rank, world, dev, pg_backend, publis
                   "samples_per_s": global_batch / step_s,
                   "tokens_per_s": global_batch * tokens / step_s if tokens else None,
                   **runner.memory(), **memory_snapshot(pg_backend), "time": time.time()}
+        if step == metered:  # this step ran slower: every op went through Python
+            record.update(comm_bytes=comm.total(), comm_bytes_by_op=comm.by_op(),
+                          comm_metered=True)
         history.append(record)
         if publish is not None:
             publish(dict(record))
@@ -165,7 +177,12 @@ def _loop(cfg, runner, batches, mesh, dims, rank, world, dev, pg_backend, publis
         "param_bytes": last["param_bytes"], "grad_bytes": last["grad_bytes"],
         "optim_bytes": last["optim_bytes"],
         "peak_bytes": max([r["peak_bytes"] for r in history], default=last["peak_bytes"]),
-        "step_time_s": statistics.median([r["step_time_s"] for r in history]) if history else 0.0,
+        "step_time_s": statistics.median([r["step_time_s"] for r in history
+                                          if not r.get("comm_metered")] or
+                                         [r["step_time_s"] for r in history] or [0.0]),
+        # bytes this rank sent in one training step (the metered one), by kind of op
+        "comm_bytes": comm.total() if comm is not None else None,
+        "comm_bytes_by_op": comm.by_op() if comm is not None else None,
         "comm_fraction": min(1.0, total_comm / total_step) if total_step > 0 else 0.0,
         "bubble_fraction": bubble() if callable(bubble) else None,
         "history": history,
