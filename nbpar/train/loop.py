@@ -30,7 +30,8 @@ from nbpar.parallel.mesh import cached_mesh
 from nbpar.train import checkpoint
 from nbpar.train.comm import CommMeter
 from nbpar.train.data import build_loader
-from nbpar.train.metrics import CommTimer, memory_snapshot
+from nbpar.train.memtrack import StepMemory
+from nbpar.train.metrics import CommTimer, memory_snapshot, step_peak_bytes
 from nbpar.train.models import build_model
 
 
@@ -145,7 +146,7 @@ def _loop(cfg, runner, batches, mesh, dims, rank, world, dev, pg_backend, publis
         micro_batches = [batches.next() for _ in range(cfg.grad_accum)]
         timer.start_step()
         if step == metered:
-            with CommMeter() as comm:
+            with CommMeter() as comm, StepMemory(runner) as mem:
                 loss = runner.train_step(micro_batches)
         else:
             loss = runner.train_step(micro_batches)
@@ -160,7 +161,10 @@ def _loop(cfg, runner, batches, mesh, dims, rank, world, dev, pg_backend, publis
                   **runner.memory(), **memory_snapshot(pg_backend), "time": time.time()}
         if step == metered:  # this step ran slower: every op went through Python
             record.update(comm_bytes=comm.total(), comm_bytes_by_op=comm.by_op(),
-                          comm_metered=True)
+                          comm_metered=True, **mem.figures())
+            if "activation_peak_bytes" in record:  # a pipeline counts its own, per stage
+                record["activation_bytes"] = record["activation_peak_bytes"]
+        record["peak_bytes"] = step_peak_bytes(record)
         history.append(record)
         if publish is not None:
             publish(dict(record))
@@ -170,13 +174,21 @@ def _loop(cfg, runner, batches, mesh, dims, rank, world, dev, pg_backend, publis
     total_step = sum(r["step_time_s"] for r in history)
     total_comm = sum(r["comm_s"] for r in history)
     last = history[-1] if history else {**runner.memory(), **memory_snapshot(pg_backend)}
+    last.setdefault("peak_bytes", step_peak_bytes(last))
+    metered_rec = next((r for r in history if r.get("comm_metered")), {})
     bubble = getattr(runner, "bubble_fraction", None)
     return {
         "rank": rank,
         "losses": [r["loss"] for r in history],
         "param_bytes": last["param_bytes"], "grad_bytes": last["grad_bytes"],
         "optim_bytes": last["optim_bytes"],
+        # peaks of this run only: tracked memory (device allocator on GPUs), and the
+        # process's resident memory as its own figure
         "peak_bytes": max([r["peak_bytes"] for r in history], default=last["peak_bytes"]),
+        "process_peak_bytes": max([r["rss_bytes"] for r in history],
+                                  default=last["rss_bytes"]),
+        "activation_bytes": metered_rec.get("activation_bytes"),
+        "memory_error": metered_rec.get("memory_error"),
         "step_time_s": statistics.median([r["step_time_s"] for r in history
                                           if not r.get("comm_metered")] or
                                          [r["step_time_s"] for r in history] or [0.0]),

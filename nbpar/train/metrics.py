@@ -15,10 +15,19 @@ from nbpar import device
 
 
 def memory_snapshot(pg_backend: str) -> dict[str, int]:
-    """rss_bytes, peak_bytes (device peak on a GPU, else peak RSS) and device stats."""
-    stats = device.memory_stats(pg_backend)
-    return {"rss_bytes": device.rss_bytes() or 0,
-            "peak_bytes": stats.get("device_peak_bytes", device.peak_rss_bytes()), **stats}
+    """This process's resident bytes (``rss_bytes``) and, on a GPU, the allocator's
+    figures (``device_allocated_bytes``, ``device_peak_bytes`` since the run began)."""
+    return {"rss_bytes": device.rss_bytes() or 0, **device.memory_stats(pg_backend)}
+
+
+def step_peak_bytes(record: dict) -> int:
+    """The peak of tracked memory in a step: the device allocator's on a GPU; on a CPU
+    the tracked step's peak (`nbpar.train.memtrack`) or, on other steps, the model
+    states held after the step. Never the process's RSS, which is reported apart."""
+    if record.get("device_peak_bytes") is not None:
+        return record["device_peak_bytes"]
+    states = record["param_bytes"] + record["grad_bytes"] + record["optim_bytes"]
+    return max(states, record.get("tracked_peak_bytes") or 0)
 
 
 def _union_length(intervals, lo: float, hi: float) -> float:
