@@ -145,7 +145,28 @@ def cmd_train(args) -> dict:
 
     cfg, engines = train_config(args)
     with nbpar.Pool(engines) as pool:
-        return pool.train(cfg).result()
+        run = pool.train(cfg)
+        if not args.json:
+            _follow(run, cfg.steps)
+        return run.result()
+
+
+def _follow(run, steps: int) -> None:
+    """A progress bar on stderr while the run trains (stdout keeps the result)."""
+    import time
+
+    from tqdm import tqdm
+
+    with tqdm(total=steps, desc=f"{run.cfg.strategy}/{run.cfg.backend}", unit="step",
+              file=sys.stderr, dynamic_ncols=True) as bar:
+        while not run.done():
+            history = run.history
+            done = len({rec["step"] for rec in history})
+            if done > bar.n:
+                bar.set_postfix(loss=f"{history[-1]['loss']:.4f}", refresh=False)
+                bar.update(done - bar.n)
+            time.sleep(0.2)
+        bar.update(steps - bar.n)
 
 
 def cmd_estimate(args) -> dict:
@@ -167,7 +188,28 @@ def cmd_bench(args) -> dict:
 
 
 def _human(out: dict) -> str:
-    return json.dumps(out, indent=2)
+    """A table for people: per-rank memory, step time, communication, final loss."""
+    if "ranks" not in out or "losses" not in out:
+        return json.dumps(out, indent=2)
+    from nbpar.estimate import format_bytes
+
+    def size(v):
+        return "-" if v is None else format_bytes(v)
+
+    cfg = out["config"]
+    lines = [f"{cfg['strategy']}/{cfg['backend']} {cfg['model']}: {len(out['losses'])} steps, "
+             f"final loss {out['losses'][-1]:.4f}, step {out['step_time_s'] * 1e3:.1f} ms, "
+             f"communication {out['comm_fraction']:.0%} of the step"
+             + ("" if out.get("bubble_fraction") is None
+                else f", bubble {out['bubble_fraction']:.0%}"),
+             f"{'rank':>4} {'params':>10} {'grads':>10} {'optimizer':>10} {'activations':>11} "
+             f"{'peak':>10} {'process':>10} {'sent/step':>10}"]
+    for r in out["ranks"]:
+        lines.append(f"{r['rank']:>4} {size(r['param_bytes']):>10} {size(r['grad_bytes']):>10} "
+                     f"{size(r['optim_bytes']):>10} {size(r.get('activation_bytes')):>11} "
+                     f"{size(r['peak_bytes']):>10} {size(r.get('process_peak_bytes')):>10} "
+                     f"{size(r.get('comm_bytes')):>10}")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:

@@ -65,3 +65,15 @@ def test_bench_launch_measures_both_side_by_side():
         # never ran lands far outside these bounds
         assert 0.5 < block["ready_s"] < 120
         assert 0.1 < block["cell_ms"] < 5_000 and 0.1 < block["allreduce_ms"] < 5_000
+
+
+@pytest.mark.timeout(300)
+def test_train_for_people_shows_progress_and_a_table():
+    out = nbpar("train", "--model", "simple_cnn", "--steps", "4", "--micro-batch", "4")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert lines[0].startswith("ddp/torch simple_cnn: 4 steps, final loss ")
+    assert lines[1].split() == ["rank", "params", "grads", "optimizer", "activations", "peak",
+                                "process", "sent/step"]
+    assert [line.split()[0] for line in lines[2:]] == ["0", "1"]
+    assert "4/4" in out.stderr and "100%" in out.stderr  # the progress bar, on stderr
