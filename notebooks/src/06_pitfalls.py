@@ -152,11 +152,11 @@ fig
 # panel is in the live dashboard shown when you display a `Run`). Above it: give each rank more work per all-reduce (a bigger
 # micro-batch, accumulation), overlap communication with backward (DDP's buckets do),
 # or use fewer, faster links (on GPUs: NVLink within a node before the network).
-# `nbpar.view.compare` puts the numbers side by side:
+# `nbpar.compare` puts the numbers side by side:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-nbpar.view.compare([run_latency, run_compute], labels=["accum 1", "accum 16"])
+nbpar.compare([run_latency, run_compute], labels=["accum 1", "accum 16"])
 
 # %%
 pool.shutdown()

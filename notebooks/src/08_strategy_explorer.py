@@ -18,7 +18,7 @@
 #
 # `nbpar.StrategyPicker(pool)` is a form of widgets that builds a `TrainConfig`, says
 # *why* a combination cannot run before you launch it, and trains it on the pool with a
-# live dashboard. `nbpar.view.compare([...])` then puts finished runs side by side: memory
+# live dashboard. `nbpar.compare([...])` then puts finished runs side by side: memory
 # per rank, step time, communication share and final loss.
 
 # %%
@@ -105,7 +105,7 @@ for name in ("zero1", "zero2"):  # fp32: equal up to the order of float addition
 # parameters between steps, tensor parallelism the block weights of all three.
 
 # %%
-comparison = nbpar.view.compare(list(runs.values()), labels=list(runs))
+comparison = nbpar.compare(list(runs.values()), labels=list(runs))
 for row in comparison.table:
     print(f"{row['label']:6s} params {row['param_bytes']:7d} B   grads {row['grad_bytes']:7d} B"
           f"   optimizer {row['optim_bytes']:7d} B")
