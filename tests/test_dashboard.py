@@ -1,121 +1,195 @@
-"""The live dashboard and the static plots draw exactly what the history holds."""
+"""The live dashboard sends the browser exactly the new steps of the history, in panels
+that show what differs per rank; the static figure draws the same state."""
 from __future__ import annotations
 
+import math
 import threading
+import time
 
 import pytest
 
 from nbpar.estimate import estimate_memory
 from nbpar.view.dashboard import Dashboard, format_seconds
 from nbpar.view.history import COMM_HEALTH, by_rank
+from nbpar.view.live import WAITING, LiveFeed
 from nbpar.view.plots import plot_losses, plot_memory, plot_step_split
 from tests.viz_fakes import MB, FakeRun, history
 
 
-def _loss_lines(dash):
-    return dash.figure.axes[0].get_lines()
-
-
-def test_one_loss_line_per_rank_with_that_ranks_losses():
-    run = FakeRun(ranks=[0, 1, 2], history=history(5, ranks=(0, 1, 2), comm=(0.01, 0.02, 0.03)))
+def live(run) -> Dashboard:
+    """A dashboard whose browser chart exists (as when a notebook shows it)."""
     dash = Dashboard(run)
-    dash.update()
-    lines = _loss_lines(dash)
-    assert len(lines) == 3
-    for rank, line in zip((0, 1, 2), lines):
-        expected = [r["loss"] for r in run.history if r["rank"] == rank]
-        assert list(line.get_ydata()) == expected
-        assert list(line.get_xdata()) == list(range(5))
-        assert line.get_label() == f"rank {rank}"
+    assert dash.widget.children[1] is dash.chart
+    return dash
 
 
-def test_memory_bars_are_the_latest_bytes_stacked():
+def _panel(spec, pid):
+    return next(p for p in spec["panels"] if p["id"] == pid)
+
+
+def _col(chart, pid, i=0):
+    return chart.cols[pid][i]
+
+
+def test_before_the_first_step_every_panel_waits_without_axes():
+    dash = live(FakeRun())
+    chunk = dash.chart.chunk
+    assert chunk["reset"] is True and chunk["x"] == []
+    assert chunk["spec"]["waiting"] == WAITING == "waiting for the first step"
+    assert [p["id"] for p in chunk["spec"]["panels"]] == ["loss", "step", "throughput",
+                                                          "states", "process"]
+    assert all(p["series"] == [] for p in chunk["spec"]["panels"])  # nothing to draw yet
+    assert dash._label.value == "starting… 0/20 steps"
+
+
+def test_only_steps_every_rank_finished_are_sent_and_only_once():
+    feed = LiveFeed([0, 1])
+    hist = history(3)
+    steps, cols, spec = feed.read(hist)
+    assert steps == [0, 1, 2] and spec is not None
+    hist.append(history(4)[6])  # rank 0 finished step 3, rank 1 not yet
+    assert feed.read(hist)[0] == []
+    hist.append(history(4)[7])
+    steps, cols, spec = feed.read(hist)
+    assert steps == [3] and spec is None  # the panels are fixed at the first step
+    assert cols["loss"] == [[5.0 / 4]]
+
+
+def test_chart_receives_only_the_new_points_and_resyncs_on_request():
     run = FakeRun(history=history(3))
     dash = Dashboard(run)
-    dash.update()
-    bars = dash.memory.bars
-    for i, rank in enumerate((0, 1)):
-        last = [r for r in run.history if r["rank"] == rank][-1]
-        params, grads, optim = (bars[k].patches[i] for k in ("params", "grads", "optimizer"))
-        other = bars["other"].patches[i]
-        assert params.get_height() == last["param_bytes"] == (4 + rank) * MB
-        assert grads.get_height() == last["grad_bytes"]
-        assert optim.get_height() == last["optim_bytes"]
-        assert other.get_height() == last["rss_bytes"] - (16 + rank) * MB
-        assert grads.get_y() == params.get_height()
-        assert other.get_y() + other.get_height() == pytest.approx(last["rss_bytes"])
-        assert dash.memory.texts[i].get_text() == f"states {(16 + rank) * MB / 1e6:.1f} MB"
+    chart = dash.widget.children[1]
+    assert chart is dash.chart and chart.chunk["x"] == [0, 1, 2] and chart.points("loss") == 3
+    seq = chart.seq
+    run.history = history(5)
+    assert dash.update() is True
+    assert chart.chunk["x"] == [3, 4] and chart.chunk["seq"] == seq + 1
+    assert "spec" not in chart.chunk and len(chart.chunk["cols"]["loss"][0]) == 2
+    assert dash.update() is False and chart.seq == seq + 1  # nothing new: nothing sent
+    chart._on_msg(chart, {"type": "resync"}, [])  # a reloaded page asks for everything
+    assert chart.chunk["reset"] is True and chart.chunk["x"] == [0, 1, 2, 3, 4]
+    assert chart.chunk["spec"]["panels"][0]["series"][0]["label"] == "loss (mean over ranks)"
 
 
-def test_step_split_shares_and_health_line():
-    run = FakeRun(history=history(4, comm=(0.01, 0.03)))
-    dash = Dashboard(run)
-    dash.update()
-    assert list(dash.split.health.get_ydata()) == [COMM_HEALTH, COMM_HEALTH] == [0.2, 0.2]
+def test_loss_is_one_global_line_and_rank_lines_only_when_ranks_differ():
+    run = FakeRun(history=history(4))
+    dash = live(run)
+    loss = _panel(dash.chart.spec, "loss")
+    assert [s["label"] for s in loss["series"]] == ["loss (mean over ranks)"]
+    assert _col(dash.chart, "loss") == [5.0 / (1 + s) for s in range(4)]
+    assert "every rank reports this same value" in dash.chart.notes["loss"]
+
+    run = FakeRun(history=history(4, local=True))  # records with each rank's own loss
+    dash = live(run)
+    labels = [s["label"] for s in _panel(dash.chart.spec, "loss")["series"]]
+    assert labels == ["loss (mean over ranks)", "rank 0 own batch", "rank 1 own batch"]
+    for i, rank in enumerate((0, 1), start=1):
+        assert _col(dash.chart, "loss", i) == [r["local_loss"] for r in run.history
+                                               if r["rank"] == rank]
+
+
+def test_memory_states_and_process_are_separate_panels_per_rank():
+    run = FakeRun(history=history(3))
+    dash = live(run)
+    spec = dash.chart.spec
+    assert _panel(spec, "states")["unit"] == _panel(spec, "process")["unit"] == "B"
+    assert _panel(spec, "process")["title"] == "process memory per rank (RSS)"
     for i, rank in enumerate((0, 1)):
         recs = [r for r in run.history if r["rank"] == rank]
-        step = sum(r["step_time_s"] for r in recs) / len(recs)
-        comm = sum(r["comm_s"] for r in recs) / len(recs)
-        assert dash.split.comm.patches[i].get_height() == pytest.approx(comm / step)
-        assert dash.split.compute.patches[i].get_y() == pytest.approx(comm / step)
-        assert dash.split.texts[i].get_text() == f"{step:.3g} s"
+        assert _col(dash.chart, "states", i) == [(4 + rank + 4 + 8) * MB] * 3
+        assert _col(dash.chart, "process", i) == [r["rss_bytes"] for r in recs]
+    assert dash.chart.notes["states"].startswith("rank 0: params 4.2 MB, grads 4.2 MB, "
+                                                 "optimizer 8.4 MB · rank 1: params 5.2 MB")
+    assert dash.chart.notes["process"] == "peak: rank 0 127.9 MB · rank 1 129.0 MB"
+    gpu = history(2)
+    for rec in gpu:
+        rec["device_allocated_bytes"] = 50 * MB
+    dash = live(FakeRun(history=gpu))
+    assert _panel(dash.chart.spec, "process")["title"] == "device memory per rank (allocated)"
+    assert _col(dash.chart, "process") == [50 * MB, 50 * MB]
 
 
-def test_throughput_uses_the_slowest_rank_and_tokens():
-    run = FakeRun(history=history(4))
-    dash = Dashboard(run)
+def test_step_and_comm_time_per_rank_with_the_health_note():
+    run = FakeRun(history=history(4, comm=(0.01, 0.03)))
+    dash = live(run)
+    labels = [s["label"] for s in _panel(dash.chart.spec, "step")["series"]]
+    assert labels == ["rank 0 step", "rank 1 step", "rank 0 comm", "rank 1 comm"]
+    assert _col(dash.chart, "step", 1) == [r["step_time_s"] for r in run.history
+                                           if r["rank"] == 1]
+    assert _col(dash.chart, "step", 3) == [0.03] * 4
+    share = 0.12 / sum(r["step_time_s"] for r in run.history if r["rank"] == 1)
+    assert share > COMM_HEALTH
+    assert f"rank 1 {share:.0%}" in dash.chart.notes["step"]
+    assert "worth a look" in dash.chart.notes["step"]
+
+
+def test_throughput_unit_is_fixed_by_the_first_step():
+    run = FakeRun(history=history(2, tokens=False))
+    dash = live(run)
+    assert _panel(dash.chart.spec, "throughput")["unit"] == "samples/s"
+    slowest = [min(r["samples_per_s"] for r in run.history if r["step"] == s) for s in (0, 1)]
+    assert _col(dash.chart, "throughput") == slowest
+    run.history = history(2, tokens=False) + history(3)[4:]  # a later record with tokens
     dash.update()
-    ys = list(dash.throughput.line.get_ydata())
-    slowest = [min(r["tokens_per_s"] for r in run.history if r["step"] == s) for s in range(4)]
-    assert ys == slowest
-    assert dash.throughput.ax.get_ylabel() == "tokens/s"
+    assert _panel(dash.chart.spec, "throughput")["unit"] == "samples/s"
 
 
-def test_update_grows_the_same_figure_and_progress():
+def test_a_diverged_loss_is_a_gap_not_invalid_json():
+    hist = history(3)
+    for rec in hist[4:6]:
+        rec["loss"] = math.nan
+    dash = live(FakeRun(history=hist))
+    assert _col(dash.chart, "loss") == [5.0, 2.5, None]
+    assert dash.chart.chunk["cols"]["loss"][0][2] is None
+
+
+def test_follow_thread_shows_data_within_a_second_and_then_every_second():
+    run = FakeRun()
+    dash = live(run)
+    sends = []
+    dash.chart.observe(lambda change: sends.append(time.monotonic()), names="chunk")
+    dash.start()
+    full, first = history(40), None
+    for step in range(40):  # a step every 0.1 s, for 4 s
+        run.history = full[: 2 * (step + 1)]
+        first = first or time.monotonic()
+        time.sleep(0.1)
+    run.finished = True
+    dash.stop_following()
+    assert dash.chart.points("loss") == 40
+    assert sends[0] - first < 1.0, "first step not shown within a second"
+    gaps = [b - a for a, b in zip(sends, sends[1:])]
+    assert max(gaps) < 1.0, f"an update came {max(gaps):.2f} s after the one before"
+
+
+def test_progress_bar_label_and_stop():
     run = FakeRun(history=history(3))
-    dash = Dashboard(run)
-    figure, line = dash.figure, _loss_lines(dash)[0]
-    assert dash.update() is True
-    assert len(line.get_xdata()) == 3
+    dash = live(run)
     assert dash.text.startswith("step 3/20 (15%)") and "ETA" in dash.text
-    assert dash.update() is False  # nothing new: no redraw work
-    run.history = history(8)
-    assert dash.update() is True
-    assert dash.figure is figure and _loss_lines(dash)[0] is line
-    assert len(line.get_xdata()) == 8
+    assert dash._bar.value == 3 and dash._bar.max == 20 and dash._label.value == dash.text
+    dash._stop_button.click()
+    assert run.stops == 1 and dash._stop_button.disabled
+    run.history, run.finished = history(8), True
+    dash.update()
+    assert dash.text.startswith("stopped after 8/20 steps")
+    assert dash._bar.bar_style == "warning"
     info = dash.progress()
-    assert info["steps"] == 8 and info["total"] == 20
-    # timestamps 0.1 s apart -> 12 steps left take 1.2 s
-    assert info["s_per_step"] == pytest.approx(0.1)
-    assert info["eta_s"] == pytest.approx(1.2)
-    assert "ETA 1.2 s" in dash.text
+    assert info["s_per_step"] == pytest.approx(0.1) and info["eta_s"] is None
 
 
-def test_progress_when_done_or_stopped():
+def test_progress_when_done_or_starting():
     run = FakeRun(history=history(20), finished=True)
     dash = Dashboard(run)
     dash.update()
     assert dash.text.startswith("done: 20/20 steps")
-    run = FakeRun(history=history(5), finished=True)
-    assert Dashboard(run).progress()["text"].startswith("stopped after 5/20 steps")
     assert Dashboard(FakeRun()).progress()["text"] == "starting… 0/20 steps"
+    run = FakeRun(history=history(8))
+    assert "ETA 1.2 s" in Dashboard(run).progress()["text"]  # 12 steps of 0.1 s left
 
 
-def test_widget_shows_progress_and_png():
-    run = FakeRun(history=history(5))
-    dash = Dashboard(run, min_interval_s=0.0)
-    widget = dash.widget
-    assert dash._bar.value == 5 and dash._bar.max == 20
-    assert dash._label.value == dash.text
-    assert dash._image.value[:8] == b"\x89PNG\r\n\x1a\n"
-    run.history, run.finished = history(20), True
-    dash.update()
-    assert dash._bar.value == 20 and dash._bar.bar_style == "success"
-    assert widget is dash.widget
-
-
-def test_follow_returns_when_the_run_finishes():
+def test_follow_returns_when_the_run_finishes_and_calls_on_finish_once():
     run = FakeRun(history=history(2))
+    finished = []
 
     def finish():
         run.history = history(20)
@@ -123,10 +197,30 @@ def test_follow_returns_when_the_run_finishes():
 
     timer = threading.Timer(0.2, finish)
     timer.start()
-    dash = Dashboard(run).follow(poll_s=0.05)
+    dash = live(run).on_finish(finished.append)
+    dash.follow(poll_s=0.05)
     timer.join()
-    assert len(_loss_lines(dash)[0].get_xdata()) == 20
-    assert dash.text.startswith("done")
+    dash.follow()
+    assert finished == [dash]
+    assert dash.chart.points("loss") == 20 and dash.text.startswith("done")
+
+
+def test_static_figure_shows_the_same_panels():
+    run = FakeRun(history=history(5, local=True))
+    dash = Dashboard(run)
+    assert repr(dash.figure) == "<Figure size 800x520 with 4 Axes>"  # notebook 07 shows it
+    panels = dash.panels
+    loss = panels["loss"]
+    assert list(loss.line.get_ydata()) == [5.0 / (1 + s) for s in range(5)]
+    assert list(loss.local[1].get_ydata()) == [r["local_loss"] for r in run.history
+                                               if r["rank"] == 1]
+    memory = panels["memory"]
+    last = [r for r in run.history if r["rank"] == 1][-1]
+    assert memory.bars["params"].patches[1].get_height() == 5 * MB
+    assert memory.bars["optimizer"].patches[1].get_y() == 9 * MB
+    assert memory.process.patches[1].get_height() == last["rss_bytes"]
+    assert memory.states_ax.get_ylim()[1] < memory.process_ax.get_ylim()[1] / 3
+    assert [t.get_text() for t in memory.texts] == ["16.8 MB", "17.8 MB"]
 
 
 def test_save_writes_a_png(tmp_path):
@@ -139,6 +233,13 @@ def test_format_seconds():
     assert format_seconds(3.25) == "3.2 s"
     assert format_seconds(125) == "2 min 05 s"
     assert format_seconds(3720) == "1 h 02 min"
+
+
+def test_gpu_utilisation_in_the_progress_text():
+    run = FakeRun(history=history(3))
+    for rec in run.history:
+        rec.update(device_allocated_bytes=50_000_000, device_util_pct=80)
+    assert "GPU util 80%" in Dashboard(run).progress()["text"]
 
 
 def test_plot_losses_one_line_per_run_or_rank():
@@ -175,17 +276,3 @@ def test_plot_step_split_static():
     expected = [sum(r["comm_s"] for r in g) / sum(r["step_time_s"] for r in g)
                 for g in groups.values()]
     assert heights == pytest.approx(expected)
-
-
-def test_gpu_records_use_device_memory_and_show_utilisation():
-    from nbpar.view.dashboard import Dashboard
-    from nbpar.view.history import other_bytes
-    from tests.viz_fakes import FakeRun, history
-
-    run = FakeRun(history=history(3))
-    for rec in run.history:
-        rec.update(device_allocated_bytes=50_000_000, device_util_pct=80)
-    rec = run.history[-1]
-    states = rec["param_bytes"] + rec["grad_bytes"] + rec["optim_bytes"]
-    assert other_bytes(rec) == 50_000_000 - states
-    assert "GPU util 80%" in Dashboard(run).progress()["text"]

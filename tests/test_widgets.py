@@ -1,11 +1,15 @@
-"""StrategyPicker: invalid choices are explained and block the Run button; Run trains the
-widgets' config on the pool and shows its dashboard."""
+"""StrategyPicker: every strategy starts from a valid choice, controls that do not apply
+are hidden, every problem is listed at once in the labels' words with advice valid on
+this pool, number boxes refuse instead of changing a value, and Run cannot be pressed
+twice while a run goes."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import pytest
 
+from nbpar import config as C
 from nbpar.config import GPTConfig
 from nbpar.view.dashboard import Dashboard
 from nbpar.view.widgets import StrategyPicker
@@ -15,14 +19,18 @@ from tests.viz_fakes import FakeRun, history
 @dataclass
 class FakePool:
     n: int = 2
+    finished: bool = True
     trained: list = field(default_factory=list)
+    runs: list = field(default_factory=list)
 
     def train(self, cfg):
         self.trained.append(cfg)
-        return FakeRun(cfg=cfg, ranks=list(range(self.n)),
-                       history=history(cfg.steps, ranks=tuple(range(self.n)),
-                                       comm=(0.01,) * self.n),
-                       finished=True)
+        run = FakeRun(cfg=cfg, ranks=list(range(self.n)),
+                      history=history(cfg.steps, ranks=tuple(range(self.n)),
+                                      comm=(0.01,) * self.n),
+                      finished=self.finished)
+        self.runs.append(run)
+        return run
 
 
 def _set(picker, **values):
@@ -30,62 +38,186 @@ def _set(picker, **values):
         picker.fields[name].value = value
 
 
+def _shown(picker):
+    return {k for k, w in picker.fields.items() if w.layout.display != "none"}
+
+
 def test_defaults_are_valid_and_show_the_global_batch():
     picker = StrategyPicker(FakePool(2), background=False)
     assert picker.check() is None and picker.button.disabled is False
-    assert picker.message == "ready: ddp/torch on 2 rank(s), dp=2 tp=1 pp=1"
+    assert picker.message == "ready: ddp/torch on 2 ranks, dp 2 × tp 1 × pp 1"
     _set(picker, micro_batch=4, grad_accum=3)
-    assert picker.batch_label.value == "global batch = micro x accum x dp = 4 x 3 x 2 = 24"
+    assert picker.batch_label.value == ("global batch = micro-batch × grad accum × dp = "
+                                        "4 × 3 × 2 = 24")
     _set(picker, strategy="pipeline")
-    assert picker.batch_label.value.endswith("4 x 3 x 1 = 12")
+    assert picker.batch_label.value.endswith("4 × 3 × 1 = 12")
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_every_strategy_the_pool_can_run_starts_valid(n):
+    picker = StrategyPicker(FakePool(n), background=False)
+    for strategy in C.STRATEGIES:
+        _set(picker, strategy=strategy)
+        if n == 1 and strategy in ("pipeline", "tp"):  # one engine: nothing to split
+            continue
+        if n == 4 and strategy == "pipeline":  # 4 stages, tiny_gpt has 2 layers: explained
+            assert picker.problems == ["pp 4 pipeline stages need at least 4 layers, "
+                                       "the model's layers 2"]
+            continue
+        assert picker.problems == [], (strategy, picker.problems)
+        assert not picker.button.disabled and picker.message.startswith(f"ready: {strategy}/")
+
+
+def test_controls_that_do_not_apply_are_hidden():
+    picker = StrategyPicker(FakePool(2), background=False)
+    numbers = {"micro_batch", "grad_accum", "steps"}
+    assert _shown(picker) == {"model", "strategy", "backend", "precision"} | numbers
+    _set(picker, strategy="pipeline")
+    assert _shown(picker) == {"model", "strategy", "backend", "precision", "schedule"} | numbers
+    _set(picker, strategy="hybrid")
+    assert {"schedule", "dp", "tp", "pp"} <= _shown(picker)
+    _set(picker, strategy="zero2", backend="deepspeed")
+    assert "offload" in _shown(picker) and "schedule" not in _shown(picker)
+
+
+def test_pipeline_to_gpipe_and_back_never_traps():
+    picker = StrategyPicker(FakePool(2), background=False)
+    _set(picker, strategy="pipeline")
+    assert picker.fields["schedule"].value == "gpipe" and picker.problems == []
+    _set(picker, schedule="1f1b")  # 1F1B needs a micro-batch per stage: says how out
+    assert picker.message == ("cannot run: schedule 1f1b needs at least as many micro-batches "
+                              "(grad accum 1) as pipeline stages (pp 2); raise grad accum or "
+                              "use schedule gpipe")
+    _set(picker, grad_accum=2)
+    assert picker.problems == []
+    _set(picker, schedule="gpipe", grad_accum=1)
+    for strategy in ("ddp", "zero1", "zero3", "tp"):  # the hidden schedule is not used
+        _set(picker, strategy=strategy)
+        assert picker.problems == [] and picker.config().schedule == C.DEFAULT_SCHEDULE
+
+
+def test_hybrid_starts_from_degrees_that_fit_and_advice_that_runs():
+    picker = StrategyPicker(FakePool(2), background=False)
+    _set(picker, strategy="hybrid")
+    assert [picker.fields[k].value for k in ("dp", "tp", "pp")] == [1, 1, 2]
+    assert picker.problems == []
+    _set(picker, dp=2, pp=2)
+    (problem,) = picker.problems
+    assert problem.startswith("dp × tp × pp = 2 × 1 × 2 = 4 must equal the number of engines")
+    advice = re.search(r"e\.g\. dp (\d) × tp (\d) × pp (\d)", problem)
+    _set(picker, **dict(zip(("dp", "tp", "pp"), map(int, advice.groups()))))
+    assert picker.problems == [] and not picker.button.disabled
+    picker4 = StrategyPicker(FakePool(4), background=False)
+    _set(picker4, strategy="hybrid")
+    assert [picker4.fields[k].value for k in ("dp", "tp", "pp")] == [2, 1, 2]
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("0", "micro-batch must be a whole number of at least 1, got 0"),
+    ("-5", "micro-batch must be a whole number of at least 1, got -5"),
+    ("100000", "micro-batch 100000 is more than this picker runs (at most 4096)"),
+    ("7.5", "micro-batch must be a whole number, not 7.5"),
+    ("", "micro-batch is empty: type a whole number"),
+    ("eight", "micro-batch must be a whole number, not eight"),
+])
+def test_number_boxes_refuse_instead_of_changing_the_value(text, problem):
+    pool = FakePool(2)
+    picker = StrategyPicker(pool, background=False)
+    _set(picker, micro_batch=text)
+    assert picker.fields["micro_batch"].value == text  # what was typed stays
+    assert picker.problems == [problem]
+    assert picker.message == f"cannot run: {problem}"
+    assert picker.button.disabled
+    picker._launch()
+    assert pool.trained == []
+    if not re.fullmatch(r"-?\d+", text):  # not a number at all: no config to make
+        with pytest.raises(ValueError, match="micro-batch"):
+            picker.config()
+
+
+def test_steps_zero_is_refused_in_words():
+    picker = StrategyPicker(FakePool(2), background=False)
+    _set(picker, steps="0")
+    assert picker.problems == ["steps must be a whole number of at least 1, got 0"]
+
+
+def test_all_problems_at_once_in_the_labels_words():
+    picker = StrategyPicker(FakePool(2), background=False)
+    _set(picker, model="simple_cnn", strategy="tp", precision="fp16", grad_accum="1.5")
+    assert picker.problems == [
+        "grad accum must be a whole number, not 1.5",
+        "strategy tp needs model tiny_gpt (it splits transformer layers), got simple_cnn",
+        "precision fp16 needs backend deepspeed (its loss scaler); use bf16 or fp32 with "
+        "backend torch"]
+    assert picker.message.startswith("cannot run:\n- grad accum")
+    assert picker.explanation.value.count("<li>") == 3
+    for p in picker.problems:
+        assert not re.search(r"\w=|micro_batch|grad_accum|gpt\.|'", p), p  # no code syntax
 
 
 @pytest.mark.parametrize("values, reason", [
-    ({"strategy": "hybrid", "dp": 4, "tp": 2}, r"dp\*tp\*pp = 4\*2\*1 = 8"),
-    ({"offload": "optimizer"}, "needs backend='deepspeed'"),
-    ({"strategy": "tp"}, "tp=4 must divide gpt.n_heads=6"),
-    ({"strategy": "tp", "model": "simple_cnn"}, "needs model 'tiny_gpt'"),
-    ({"precision": "fp16"}, "fp16"),
+    ({"offload": "optimizer", "backend": "deepspeed", "strategy": "ddp"},
+     "offload optimizer needs strategy zero1 or zero2 or zero3, got ddp"),
+    ({"strategy": "tp"}, "tp 4 must divide the model's attention heads 6"),
+    ({"strategy": "tp", "backend": "deepspeed"}, "backend deepspeed supports strategies"),
+    ({"strategy": "pipeline", "model": "simple_cnn"}, "needs model tiny_gpt"),
 ])
 def test_invalid_combinations_are_explained_before_launch(values, reason):
-    import re
-
     pool = FakePool(4)
     picker = StrategyPicker(pool, background=False, gpt=GPTConfig(d_model=24, n_heads=6))
     _set(picker, **values)
     assert picker.button.disabled is True
-    assert picker.message.startswith("cannot run: ")
-    assert re.search(reason, picker.message), picker.message
+    assert reason in picker.message, picker.message
     picker._launch()  # a click on a disabled button does nothing
     assert pool.trained == []
 
 
-def test_fixing_the_choice_enables_run_again():
-    picker = StrategyPicker(FakePool(2), background=False)
-    _set(picker, strategy="hybrid", dp=2, tp=2)
-    assert picker.button.disabled
-    assert picker.batch_label.value.endswith("? (degrees do not fit the pool)")
-    _set(picker, tp=1)
-    assert not picker.button.disabled
-    assert picker.config().dims(2).dp == 2
-
-
-def test_run_button_trains_the_widgets_config_and_shows_a_dashboard():
+def test_run_button_trains_the_widgets_config_and_lists_the_run():
     pool = FakePool(2)
     picker = StrategyPicker(pool, background=False)
     _set(picker, strategy="zero1", backend="deepspeed", micro_batch=4, grad_accum=2,
          steps=5, precision="bf16", offload="optimizer")
     picker.button.click()
-    assert len(pool.trained) == 1
-    cfg = pool.trained[0]
+    (cfg,) = pool.trained
     assert (cfg.strategy, cfg.backend, cfg.micro_batch, cfg.grad_accum, cfg.steps,
             cfg.precision, cfg.offload) == ("zero1", "deepspeed", 4, 2, 5, "bf16",
                                             "optimizer")
     assert cfg == picker.config()
-    assert picker.run is not None and picker.run.cfg is cfg
+    assert picker.run is pool.runs[0] and picker.runs == [picker.run]
     assert isinstance(picker.dashboard, Dashboard)
     assert picker.dashboard.text == "done: 5/5 steps · 0.1 s/step"
-    assert len(picker.dashboard.figure.axes[0].get_lines()) == 2
+    assert picker.dashboard.chart.points("loss") == 5
+    assert "<td>picker.runs[0]</td>" in picker.runs_list.value.replace("<code>", "") \
+        .replace("</code>", "")
+    assert "zero1/deepspeed tiny_gpt" in picker.runs_list.value
+    assert "<td>done</td>" in picker.runs_list.value
+    assert picker.button.description == "Run" and not picker.button.disabled
+
+
+def test_while_a_run_goes_run_is_disabled_and_stop_is_shown():
+    pool = FakePool(2, finished=False)
+    picker = StrategyPicker(pool, background=True)
+    _set(picker, steps="5")
+    picker.button.click()
+    assert picker.running and picker.button.disabled
+    assert picker.button.description == "running..."
+    assert picker.stop_button.layout.display != "none" and not picker.stop_button.disabled
+    picker._launch()  # a second click: nothing starts
+    picker.button.click()
+    assert len(pool.trained) == 1
+    _set(picker, strategy="zero2")  # editing the form does not enable Run
+    assert picker.button.disabled
+    assert "<td>running</td>" in picker.runs_list.value
+    picker.stop_button.click()
+    assert pool.runs[0].stops == 1 and picker.stop_button.description == "stopping..."
+    pool.runs[0].finished = True
+    picker.dashboard.stop_following()
+    picker.dashboard.follow()
+    assert not picker.running and picker.button.description == "Run"
+    assert not picker.button.disabled and picker.stop_button.layout.display == "none"
+    assert "<td>done</td>" in picker.runs_list.value
+    picker.button.click()
+    assert len(picker.runs) == 2 and picker.run is picker.runs[1] is pool.runs[1]
 
 
 def test_single_runs_on_one_rank_and_train_errors_are_shown():
@@ -95,7 +227,8 @@ def test_single_runs_on_one_rank_and_train_errors_are_shown():
 
     picker = StrategyPicker(Closed(2), background=False)
     _set(picker, strategy="single")
-    assert picker.message == "ready: single/torch on 1 rank(s), dp=1 tp=1 pp=1"
+    assert picker.message == "ready: single/torch on 1 rank, dp 1 × tp 1 × pp 1"
     picker.button.click()
     assert picker.message == "could not start: the pool is shut down"
     assert picker.run is None and picker.button.disabled is False
+    assert picker.button.description == "Run"

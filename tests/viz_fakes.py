@@ -10,11 +10,15 @@ from nbpar.config import TrainConfig
 MB = 2 ** 20
 
 
-def record(step: int, rank: int, *, comm_s: float = 0.01, tokens: bool = True) -> dict:
-    """One step record like nbpar.train.loop publishes; values differ per step and rank."""
+def record(step: int, rank: int, *, comm_s: float = 0.01, tokens: bool = True,
+           local: bool = False) -> dict:
+    """One step record like nbpar.train.loop publishes; values differ per step and rank
+    (``loss`` as published: the same on every rank after averaging; ``local=True`` adds
+    each rank's own ``local_loss``)."""
     step_s = 0.05 + 0.001 * step + 0.01 * rank
     samples = 16 / step_s
-    return {"step": step, "rank": rank, "loss": 5.0 / (1 + step) + 0.01 * rank,
+    extra = {"local_loss": 5.0 / (1 + step) + 0.1 * (rank - 0.5)} if local else {}
+    return {"step": step, "rank": rank, "loss": 5.0 / (1 + step), **extra,
             "step_time_s": step_s, "compute_s": step_s - comm_s, "comm_s": comm_s,
             "samples_per_s": samples, "tokens_per_s": samples * 32 if tokens else None,
             "param_bytes": (4 + rank) * MB, "grad_bytes": 4 * MB, "optim_bytes": 8 * MB,
@@ -22,9 +26,10 @@ def record(step: int, rank: int, *, comm_s: float = 0.01, tokens: bool = True) -
             "time": 1000.0 + 0.1 * step}
 
 
-def history(steps: int, ranks=(0, 1), comm=(0.01, 0.03), tokens: bool = True) -> list[dict]:
+def history(steps: int, ranks=(0, 1), comm=(0.01, 0.03), tokens: bool = True,
+            local: bool = False) -> list[dict]:
     """Records ordered by (step, rank), as Run.history returns them."""
-    return [record(s, r, comm_s=comm[i], tokens=tokens) for s in range(steps)
+    return [record(s, r, comm_s=comm[i], tokens=tokens, local=local) for s in range(steps)
             for i, r in enumerate(ranks)]
 
 
@@ -34,9 +39,13 @@ class FakeRun:
     ranks: list = field(default_factory=lambda: [0, 1])
     history: list = field(default_factory=list)
     finished: bool = False
+    stops: int = 0
 
     def done(self) -> bool:
         return self.finished
+
+    def stop(self) -> None:
+        self.stops += 1
 
     def result(self) -> dict:
         mine = {r: [rec for rec in self.history if rec["rank"] == r] for r in self.ranks}

@@ -1,19 +1,19 @@
-"""A live training dashboard: loss, memory, step-time split, throughput, progress + ETA.
+"""A live training dashboard: progress + ETA, Stop, and panels that grow while a run goes.
 
-`Dashboard(run)` reads only ``run.history`` (records already on the client, no
-engine round trip), moves its artists' data in place and re-renders the PNG at
-most every ``min_interval_s``; the figure is a plain `matplotlib.figure.Figure`
-(no pyplot state), shown in an ipywidgets Image so the output updates in place.
+`Dashboard(run)` reads only ``run.history`` (records already on the client, no engine
+round trip). While a run goes, a thread sends the browser the steps every rank has
+finished since its last look (`nbpar.view.live.LiveFeed`), at most every ``poll_s``,
+and the browser draws them (`nbpar.view.livechart.LiveChart`, uPlot): the kernel
+renders no image, so busy engines cannot starve the figure. ``figure``, ``png()`` and
+``save()`` give the same state as a static matplotlib figure (for files and reports).
 """
 from __future__ import annotations
 
-import os
 import statistics
 import threading
 import time
 
-from nbpar.view.history import as_history, by_rank, steps_done
-from nbpar.view.panels import LossPanel, MemoryPanel, SplitPanel, ThroughputPanel, figure_png
+from nbpar.view.history import as_history, by_rank
 
 
 def format_seconds(s: float) -> str:
@@ -26,9 +26,9 @@ def format_seconds(s: float) -> str:
     return f"{int(s // 3600)} h {int(s % 3600 // 60):02d} min"
 
 
-def seconds_per_step(history: list[dict], window: int = 10) -> float | None:
+def seconds_per_step(history: list[dict], window: int = 10, groups=None) -> float | None:
     """Recent wall time per step of the slowest rank (step time when no timestamps)."""
-    groups = by_rank(history)
+    groups = by_rank(history) if groups is None else groups
     rates = []
     for recs in groups.values():
         recent = recs[-window:]
@@ -40,41 +40,45 @@ def seconds_per_step(history: list[dict], window: int = 10) -> float | None:
     return max(rates) if rates else None
 
 
-#: Largest share of wall time spent drawing the figure while following a run.
+#: Largest share of wall time spent rendering a PNG where no widget can be shown.
 RENDER_BUDGET = 0.03
 
+
 class Dashboard:
-    """Live figure of one `Run`; ``update()`` redraws from the current history."""
+    """Live view of one `Run`; ``update()`` reads the history and sends what is new."""
 
-    def __init__(self, run, *, min_interval_s: float = 0.5, figsize=(10, 6.5), dpi: int = 80):
-        from matplotlib.figure import Figure
-
-        self.run, self.min_interval_s = run, min_interval_s
+    def __init__(self, run, *, poll_s: float = 0.5, stop_button: bool = True,
+                 figsize=(10, 6.5), dpi: int = 80):
+        self.run, self.poll_s, self.stop_button = run, poll_s, stop_button
+        self.figsize, self.dpi = figsize, dpi
         history = as_history(run)
         self.ranks = list(getattr(run, "ranks", None) or sorted({r["rank"] for r in history}))
-        self.figure = Figure(figsize=figsize, dpi=dpi, layout="constrained")
-        (a, b), (c, d) = self.figure.subplots(2, 2)
-        self.loss, self.memory = LossPanel(a, self.ranks), MemoryPanel(b, self.ranks)
-        self.split, self.throughput = SplitPanel(c, self.ranks), ThroughputPanel(d)
         self.text = ""
         self.error: BaseException | None = None
-        self._seen = None          # (len(history), done) last drawn
-        self._stale = True         # data changed since the last render
-        self._rendered_at = self._render_s = 0.0
+        self.chart = self.feed = None   # the browser's panels, made with the widget
+        self._figure = self._panels = None
+        self._seen = None               # (len(history), done) last read
         self._widget = self._handle = self._thread = None
+        self._rendered_at = self._render_s = 0.0
         self._stop = threading.Event()
+        self._lock = threading.Lock()   # update() runs in the follow thread and in cells
+        self._on_finish: list = []
+        self._finished = False
 
     # -- data ------------------------------------------------------------------
     def total_steps(self) -> int | None:
         cfg = getattr(self.run, "cfg", None)
         return getattr(cfg, "steps", None)
 
-    def progress(self, history: list[dict] | None = None, done: bool | None = None) -> dict:
+    def progress(self, history: list[dict] | None = None, done: bool | None = None,
+                 groups=None) -> dict:
         """{"steps", "total", "fraction", "s_per_step", "eta_s", "text"} of the run now."""
         history = as_history(self.run) if history is None else history
         done = self._done() if done is None else done
-        n, total = steps_done(history), self.total_steps()
-        rate = seconds_per_step(history)
+        groups = by_rank(history) if groups is None else groups
+        n = min((len(v) for v in groups.values()), default=0)
+        total = self.total_steps()
+        rate = seconds_per_step(history, groups=groups)
         eta = rate * (total - n) if rate is not None and total is not None else None
         of = f"{n}/{total}" if total else f"{n}"
         pace = f" · {rate:.3g} s/step" if rate else ""
@@ -99,29 +103,56 @@ class Dashboard:
         return bool(done()) if callable(done) else True
 
     def update(self, force: bool = False) -> bool:
-        """Redraw from ``run.history``; render the PNG if shown and due. True if data changed."""
-        history, done = as_history(self.run), self._done()
-        changed = self._seen != (len(history), done)
-        if changed:
+        """Read ``run.history``: send the browser the new steps, move the progress bar.
+        True if there were new records (or the run just ended)."""
+        with self._lock:
+            history, done = as_history(self.run), self._done()
+            changed = self._seen != (len(history), done)
+            self._seen = (len(history), done)
+            if not changed and not force:
+                return False
             groups = by_rank(history)
-            for panel in (self.loss, self.memory, self.split):
-                panel.set(groups)
-            self.throughput.set(history)
-            self._seen, self._stale = (len(history), done), True
-        info = self.progress(history, done)
-        self.text = info["text"]
-        self._show_progress(info, done)
-        # rendering shares the cores with the engines: spend at most RENDER_BUDGET of
-        # the wall time on it, however fast the steps come
-        due = time.monotonic() - self._rendered_at >= max(self.min_interval_s,
-                                                          self._render_s / RENDER_BUDGET)
-        if (self._widget is not None or self._handle is not None) and \
-                (force or (self._stale and (due or done))):
-            self._render()
+            info = self.progress(history, done, groups)
+            self.text = info["text"]
+            self._show_progress(info, done)
+            if self.chart is not None:
+                steps, cols, spec = self.feed.read(history)
+                if steps or spec is not None:
+                    self.chart.push(steps, cols, self.feed.notes(), spec=spec)
+            if self._handle is not None and (force or done or self._png_due()):
+                self._render_png()
         return changed
 
-    # -- output ----------------------------------------------------------------
+    # -- static figure -----------------------------------------------------------
+    @property
+    def figure(self):
+        """The dashboard now as a matplotlib Figure (loss, memory, step split,
+        throughput), drawn from the whole history."""
+        from nbpar.view.panels import LossPanel, MemoryPanel, SplitPanel, ThroughputPanel
+
+        if self._figure is None:
+            from matplotlib.figure import Figure
+
+            self._figure = Figure(figsize=self.figsize, dpi=self.dpi, layout="constrained")
+            (a, b), (c, d) = self._figure.subplots(2, 2)
+            self._panels = (LossPanel(a, self.ranks), MemoryPanel(b, self.ranks),
+                            SplitPanel(c, self.ranks), ThroughputPanel(d))
+        history = as_history(self.run)
+        groups = by_rank(history)
+        for panel in self._panels[:3]:
+            panel.set(groups)
+        self._panels[3].set(history)
+        return self._figure
+
+    @property
+    def panels(self) -> dict:
+        """The static figure's panels by name (drawn from the current history)."""
+        self.figure  # noqa: B018 (draws)
+        return dict(zip(("loss", "memory", "split", "throughput"), self._panels))
+
     def png(self) -> bytes:
+        from nbpar.view.panels import figure_png
+
         return figure_png(self.figure)
 
     def save(self, path) -> str:
@@ -130,18 +161,20 @@ class Dashboard:
         self.figure.savefig(path, format="png")
         return str(path)
 
-    def _render(self) -> None:
+    def _png_due(self) -> bool:
+        wait = max(2.0, self._render_s / RENDER_BUDGET)
+        return time.monotonic() - self._rendered_at >= wait
+
+    def _render_png(self) -> None:
+        from IPython.display import Image
+
         start = time.monotonic()
         png = self.png()
-        self._rendered_at, self._stale = time.monotonic(), False
+        self._rendered_at = time.monotonic()
         self._render_s = self._rendered_at - start
-        if self._widget is not None:
-            self._image.value = png
-        if self._handle is not None:
-            from IPython.display import Image
+        self._handle.update(Image(png))
 
-            self._handle.update(Image(png))
-
+    # -- widget ------------------------------------------------------------------
     def _show_progress(self, info: dict, done: bool) -> None:
         if self._widget is None:
             return
@@ -149,42 +182,71 @@ class Dashboard:
         self._bar.value = info["steps"]
         self._bar.bar_style = ("danger" if self.error else "success" if done and
                                info["fraction"] in (None, 1.0) else "warning" if done else "")
-        self._label.value = self.text if self.error is None else f"{self.text} · error: " \
-                                                                f"{self.error}"
+        self._label.value = self.text if self.error is None else \
+            f"{self.text} · error: {self.error}"
+        self._stop_button.disabled = done
+        if done:
+            self._stop_button.description = "Stop"
 
     @property
     def widget(self):
-        """An ipywidgets VBox: progress bar + label above the figure image."""
+        """An ipywidgets VBox: progress bar, label and Stop above the live panels."""
         if self._widget is None:
             import ipywidgets as w
 
-            self._bar = w.FloatProgress(min=0, max=1, value=0,
-                                        layout=w.Layout(width="40%"))
+            from nbpar.view.live import LiveFeed, waiting_spec
+            from nbpar.view.livechart import LiveChart
+
+            self.feed, self.chart = LiveFeed(self.ranks), LiveChart(waiting_spec())
+            self._bar = w.FloatProgress(min=0, max=1, value=0, layout=w.Layout(width="35%"))
             self._label = w.Label(self.text)
-            self._image = w.Image(format="png")
-            self._widget = w.VBox([w.HBox([self._bar, self._label]), self._image])
+            self._stop_button = w.Button(description="Stop", icon="stop",
+                                         tooltip="stop every rank after its current step")
+            self._stop_button.on_click(self._stop_clicked)
+            row = [self._bar, self._label] + ([self._stop_button] if self.stop_button else [])
+            self._widget = w.VBox([w.HBox(row), self.chart])
+            self._widget.add_class("nbpar-dashboard")
             self.update(force=True)
         return self._widget
+
+    def _stop_clicked(self, _button=None) -> None:
+        self._stop_button.disabled = True
+        self._stop_button.description = "stopping…"
+        self.run.stop()
 
     def _ipython_display_(self):
         from IPython.display import Image, display
 
         try:
             display(self.widget)
-        except ImportError:  # no ipywidgets: a display handle updated in place
+        except ImportError:  # no widgets: a PNG display handle updated in place
             self.update()
             self._handle = display(Image(self.png()), display_id=True)
 
     # -- following a run ---------------------------------------------------------
-    def follow(self, poll_s: float = 0.5) -> Dashboard:
+    def on_finish(self, callback) -> Dashboard:
+        """Call ``callback(dashboard)`` once, when following ends (the run is done)."""
+        self._on_finish.append(callback)
+        return self
+
+    def follow(self, poll_s: float | None = None) -> Dashboard:
         """Update until the run is done (or `stop_following`), then a final update."""
+        poll_s = self.poll_s if poll_s is None else poll_s
         while not self._done() and not self._stop.is_set():
             self.update()
             self._stop.wait(poll_s)
         self.update(force=True)
+        self._finish()
         return self
 
-    def show(self, background: bool = True, poll_s: float = 0.5) -> Dashboard:
+    def _finish(self, always: bool = False) -> None:
+        if self._finished or not (always or self._done()):
+            return
+        self._finished = True
+        for callback in self._on_finish:
+            callback(self)
+
+    def show(self, background: bool = True, poll_s: float | None = None) -> Dashboard:
         """Display the widget and keep it updated (in a daemon thread by default, so the
         cell returns at once while the run trains)."""
         from IPython.display import display
@@ -192,8 +254,10 @@ class Dashboard:
         display(self)
         return self.start(poll_s) if background else self.follow(poll_s)
 
-    def start(self, poll_s: float = 0.5) -> Dashboard:
-        """`follow` in a daemon thread (ipyparallel fills the history in its own thread)."""
+    def start(self, poll_s: float | None = None) -> Dashboard:
+        """`follow` in a daemon thread (ipyparallel fills the history in its own thread).
+        The thread's work per look is a few milliseconds: it keeps normal priority, so
+        a machine whose cores the engines keep busy still updates it every ``poll_s``."""
         if self._thread is None or not self._thread.is_alive():
             self._stop.clear()
             self._thread = threading.Thread(target=self._follow_quietly, args=(poll_s,),
@@ -201,16 +265,13 @@ class Dashboard:
             self._thread.start()
         return self
 
-    def _follow_quietly(self, poll_s: float) -> None:
-        try:  # lowest CPU priority for this thread: training on the engines comes first
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (AttributeError, OSError):
-            pass
+    def _follow_quietly(self, poll_s: float | None) -> None:
         try:
             self.follow(poll_s)
         except Exception as err:  # shown in the label: a thread has nowhere to raise to
             self.error = err
             self.update(force=True)
+            self._finish(always=True)
 
     def stop_following(self, timeout: float | None = 5.0) -> None:
         self._stop.set()

@@ -36,8 +36,11 @@ def as_history(obj) -> list[dict]:
 def by_rank(history: list[dict]) -> dict[int, list[dict]]:
     """rank -> its records in step order (ranks ascending)."""
     out: dict[int, list[dict]] = {}
-    for rec in sorted(history, key=lambda r: (r["rank"], r["step"])):
+    for rec in history:  # one pass; a run's history is in step order already
         out.setdefault(rec["rank"], []).append(rec)
+    for recs in out.values():
+        if any(a["step"] > b["step"] for a, b in zip(recs, recs[1:])):
+            recs.sort(key=lambda r: r["step"])
     return dict(sorted(out.items()))
 
 

@@ -1,14 +1,15 @@
-"""Figure panels that redraw in place: loss, memory, step split and throughput.
+"""Static figure panels: loss, memory, step split and throughput (matplotlib).
 
-Each panel owns its artists (one line per rank, one bar segment per rank and
-part) and `set(groups)` only changes their data, so a live dashboard costs a
-few milliseconds per update plus one render; static plots use the same panels
-once. ``groups`` is `nbpar.view.history.by_rank(history)`.
+Each panel owns its artists and `set(groups)` only changes their data; the dashboard's
+exported figure (`Dashboard.figure`, `save`) and the static plots draw with them. The
+live view draws in the browser instead (`nbpar.view.livechart`). ``groups`` is
+`nbpar.view.history.by_rank(history)`.
 """
 from __future__ import annotations
 
 from nbpar.estimate import format_bytes
 from nbpar.view.history import COMM_HEALTH, memory_parts, step_split, throughput
+from nbpar.view.live import global_loss, memory_key
 
 MEMORY_COLORS = {"params": "tab:blue", "grads": "tab:orange", "optimizer": "tab:green",
                  "other": "0.75"}
@@ -37,41 +38,66 @@ def _rescale(ax) -> None:
 
 
 class LossPanel:
-    """Loss against step, one line per rank."""
+    """The run's loss (averaged over ranks: one line) and, when the records carry
+    ``local_loss``, each rank's loss on its own micro-batches before averaging."""
 
     def __init__(self, ax, ranks):
         self.ax = ax
-        self.lines = {r: ax.plot([], [], label=f"rank {r}", lw=1.2)[0] for r in ranks}
-        ax.set_title("loss per rank", fontsize="medium")
+        (self.line,) = ax.plot([], [], color="0.15", lw=2, label="loss (mean over ranks)")
+        self.local = {r: ax.plot([], [], lw=1, ls="--", label=f"rank {r} own batch")[0]
+                      for r in ranks}
+        ax.set_title("loss", fontsize="medium")
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
-        if len(self.lines) > 1:
-            ax.legend(fontsize="small")
 
     def set(self, groups) -> None:
-        for rank, line in self.lines.items():
-            recs = [r for r in groups.get(rank, []) if r.get("loss") is not None]
-            line.set_data([r["step"] for r in recs], [r["loss"] for r in recs])
+        steps = sorted({rec["step"] for recs in groups.values() for rec in recs})
+        at = {s: [] for s in steps}
+        for rank in sorted(groups):
+            for rec in groups[rank]:
+                at[rec["step"]].append(rec)
+        points = [(s, global_loss(at[s])) for s in steps]
+        points = [(s, v) for s, v in points if v is not None]
+        self.line.set_data([p[0] for p in points], [p[1] for p in points])
+        for rank, line in self.local.items():
+            recs = [r for r in groups.get(rank, []) if r.get("local_loss") is not None]
+            line.set_data([r["step"] for r in recs], [r["local_loss"] for r in recs])
+        shown = [ln for ln in (self.line, *self.local.values()) if len(ln.get_xdata())]
+        if len(shown) > 1:
+            self.ax.legend(handles=shown, fontsize="small")
         _rescale(self.ax)
 
 
 class MemoryPanel:
-    """Latest memory per rank: stacked params / grads / optimizer / other bytes."""
+    """Latest memory per rank, two scales side by side in one cell: the model states
+    (stacked params / grads / optimizer, often kB) and the process they live in (RSS,
+    or allocated device memory on GPUs, often hundreds of MB), with its peak."""
 
     def __init__(self, ax, ranks):
         self.ax, self.ranks = ax, list(ranks)
-        x = range(len(self.ranks))
-        self.bars = {part: ax.bar(x, [0] * len(self.ranks), color=color, label=part)
-                     for part, color in MEMORY_COLORS.items()}
-        self.texts = [ax.text(i, 0, "", ha="center", va="bottom", fontsize="small")
-                      for i in x]
-        ax.set_xticks(list(x), [f"rank {r}" for r in self.ranks])
+        ax.set_axis_off()
         ax.set_title("memory per rank (latest step)", fontsize="medium")
-        bytes_axis(ax)
-        ax.legend(fontsize="small", loc="upper center", ncols=4)
+        self.states_ax = ax.inset_axes([0.0, 0.0, 0.42, 0.88])
+        self.process_ax = ax.inset_axes([0.58, 0.0, 0.42, 0.88])
+        x = list(range(len(self.ranks)))
+        ticks = [f"rank {r}" for r in self.ranks]
+        self.bars = {part: self.states_ax.bar(x, [0] * len(x), color=color, label=part)
+                     for part, color in MEMORY_COLORS.items() if part != "other"}
+        self.process = self.process_ax.bar(x, [0] * len(x), color=MEMORY_COLORS["other"],
+                                           label="process")
+        self.peaks = self.process_ax.scatter(x, [0] * len(x), marker="_", s=300, color="k",
+                                             label="peak", zorder=3)
+        for sub, title in ((self.states_ax, "model states"), (self.process_ax, "process")):
+            sub.set_xticks(x, ticks, fontsize="small")
+            sub.set_title(title, fontsize="small")
+            bytes_axis(sub)
+            sub.tick_params(axis="y", labelsize="small")
+        self.states_ax.legend(fontsize="x-small", loc="upper center", ncols=3)
+        self.texts = [self.states_ax.text(i, 0, "", ha="center", va="bottom",
+                                          fontsize="x-small") for i in x]
 
     def set(self, groups) -> None:
-        top = 0.0
+        top = process_top = 0.0
         for i, rank in enumerate(self.ranks):
             recs = groups.get(rank)
             parts = memory_parts(recs[-1]) if recs else dict.fromkeys(MEMORY_COLORS, 0)
@@ -81,13 +107,20 @@ class MemoryPanel:
                 patch.set_y(bottom)
                 patch.set_height(parts[part])
                 bottom += parts[part]
-            states = parts["params"] + parts["grads"] + parts["optimizer"]
             self.texts[i].set_position((i, bottom))
-            self.texts[i].set_text(f"states {format_bytes(states)}" if recs else "")
+            self.texts[i].set_text(format_bytes(bottom) if recs else "")
             top = max(top, bottom)
+            held = (recs[-1].get(memory_key(recs[-1])) or 0) if recs else 0
+            peak = max([held] + [r.get("peak_bytes") or 0 for r in recs or []])
+            self.process.patches[i].set_height(held)
+            offsets = self.peaks.get_offsets()
+            offsets[i] = (i, peak)
+            self.peaks.set_offsets(offsets)
+            process_top = max(process_top, held, peak)
         # from the data, not get_ylim(): set_ylim turns autoscaling off, so reading the
         # old limit back would only ever grow it and push the labels off the axes
-        self.ax.set_ylim(0, max(top, 1.0) * 1.3)  # room for the legend
+        self.states_ax.set_ylim(0, max(top, 1.0) * 1.35)  # room for the legend
+        self.process_ax.set_ylim(0, max(process_top, 1.0) * 1.1)
 
 
 class SplitPanel:

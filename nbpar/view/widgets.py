@@ -1,115 +1,217 @@
-"""StrategyPicker: choose a training experiment with widgets, see why a choice cannot run
-before launching it, then train it on the pool with a live dashboard."""
+"""StrategyPicker: choose a training experiment with widgets, see every reason a choice
+cannot run before launching it, train it on the pool with a live dashboard, and keep
+the list of what ran.
+
+Only the controls that apply to the chosen strategy are shown (schedule for pipeline
+and hybrid, the degrees for hybrid, offload for DeepSpeed); hidden ones take the
+config's defaults. The rules are `TrainConfig.validate`'s, asked through
+`nbpar.view.picker_rules`, which lists all problems at once in the labels' words.
+"""
 from __future__ import annotations
 
 import html
 
+import traitlets
+
 from nbpar import config as C
+from nbpar.view import picker_rules as R
 
-_DEGREES = ("dp", "tp", "pp")
+_STYLE = {"description_width": "90px"}
 
-_INT_FIELDS = {"micro_batch": ("micro-batch", 8, 4096), "grad_accum": ("grad accum", 1, 4096),
-               "steps": ("steps", 20, 10 ** 7)}
+
+def _number_box_class():
+    import ipywidgets as w
+
+    class NumberBox(w.Text):
+        """A text box for a whole number that keeps what was typed (no silent clamping
+        or dropped characters); ``box.value = 4`` works and shows "4"."""
+
+        value = traitlets.CUnicode(help="what the box shows").tag(sync=True)
+
+    return NumberBox
 
 
 class StrategyPicker:
-    """Widgets -> `TrainConfig` -> ``pool.train(cfg)``; ``.config()``, ``.run``."""
+    """Widgets -> `TrainConfig` -> ``pool.train(cfg)``; ``.config()``, ``.run``, ``.runs``."""
 
     def __init__(self, pool, *, background: bool = True, **defaults):
         import ipywidgets as w
 
         self.pool, self.background = pool, background
+        self._message = ""
         self.run = self.dashboard = None
+        self.runs: list = []
+        self.running = False
         cfg = C.TrainConfig(**defaults)
-        n = pool.n
-        # 0 means auto: ipywidgets shows a None value as an empty selection
-        degrees = [("auto", 0)] + [(str(i), i) for i in range(1, n + 1)]
-        style = {"description_width": "90px"}
+        if "schedule" not in defaults:  # valid for every pipeline, whatever the accumulation
+            cfg.schedule = "gpipe"
+        self._base = cfg
+        layout = w.Layout(width="230px")
 
         def pick(name, options):
             value = getattr(cfg, name)
-            if name in _DEGREES:
+            if name in R.DEGREES:  # 0 means auto: ipywidgets shows None as no selection
                 value = value or 0
-            return w.Dropdown(options=options, value=value, description=name,
-                              style=style, layout=w.Layout(width="230px"))
+            return w.Dropdown(options=options, value=value, description=R.LABELS[name],
+                              style=_STYLE, layout=w.Layout(width="230px"))
 
+        degrees = [("auto", 0)] + [(str(i), i) for i in range(1, pool.n + 1)]
         self.fields = {"model": pick("model", C.MODELS),
                        "strategy": pick("strategy", C.STRATEGIES),
                        "backend": pick("backend", C.BACKENDS),
-                       **{k: pick(k, degrees) for k in ("dp", "tp", "pp")},
                        "schedule": pick("schedule", C.SCHEDULES),
+                       **{k: pick(k, degrees) for k in R.DEGREES},
                        "precision": pick("precision", C.PRECISIONS),
                        "offload": pick("offload", C.OFFLOADS)}
-        for name, (label, _, top) in _INT_FIELDS.items():
-            self.fields[name] = w.BoundedIntText(value=getattr(cfg, name), min=1, max=top,
-                                                 description=label, style=style,
-                                                 layout=w.Layout(width="230px"))
-        self._base = cfg
+        box = _number_box_class()
+        for name in R.COUNTS:
+            self.fields[name] = box(value=str(getattr(cfg, name)), description=R.LABELS[name],
+                                    style=_STYLE, layout=layout, continuous_update=True)
+        self._build_layout(w)
+        for widget in self.fields.values():
+            widget.observe(self._refresh, names="value")
+        self._refresh()
+
+    def _build_layout(self, w) -> None:
+        f = self.fields
         self.batch_label = w.HTML()
         self.explanation = w.HTML()
         self.button = w.Button(description="Run", button_style="primary", icon="play")
+        self.stop_button = w.Button(description="Stop", icon="stop", button_style="warning",
+                                    tooltip="stop every rank after its current step",
+                                    layout=w.Layout(display="none"))
+        self.runs_list = w.HTML()
         self.output = w.Output()
-        f = self.fields
         columns = [w.VBox([f[k] for k in ("model", "strategy", "backend", "schedule")]),
-                   w.VBox([f[k] for k in ("dp", "tp", "pp", "precision")]),
-                   w.VBox([f[k] for k in ("micro_batch", "grad_accum", "steps", "offload")])]
+                   w.VBox([f[k] for k in ("dp", "tp", "pp", "precision", "offload")]),
+                   w.VBox([f[k] for k in R.COUNTS])]
         self.widget = w.VBox([w.HBox(columns), self.batch_label,
-                              w.HBox([self.button, self.explanation]), self.output])
-        for widget in self.fields.values():
-            widget.observe(self._refresh, names="value")
+                              w.HBox([self.button, self.stop_button, self.explanation]),
+                              self.runs_list, self.output])
+        self.widget.add_class("nbpar-picker")
         self.button.on_click(self._launch)
-        self._refresh()
+        self.stop_button.on_click(self._stop)
 
+    # -- what the widgets say ------------------------------------------------------
     def world_size(self, strategy: str | None = None) -> int:
         """Ranks the run would use: 1 for strategy single, else the whole pool."""
         strategy = strategy or self.fields["strategy"].value
         return 1 if strategy == "single" else self.pool.n
 
+    def applies(self, name: str) -> bool:
+        """Whether control ``name`` applies to the chosen strategy and backend."""
+        strategy, backend = self.fields["strategy"].value, self.fields["backend"].value
+        if name == "schedule":
+            return strategy in C.PIPELINED
+        if name in R.DEGREES:
+            return strategy == "hybrid"
+        if name == "offload":
+            return backend == "deepspeed"
+        return True
+
+    def _values(self) -> tuple[dict, list[str]]:
+        """(TrainConfig fields, problems of the number boxes). A box that holds no valid
+        number contributes a neutral value, so the other problems can still be found."""
+        values, box_problems = self._base.to_dict(), []
+        for name, widget in self.fields.items():
+            if not self.applies(name):
+                continue  # the config's default
+            if name in R.COUNTS:
+                value, problem = R.parse_count(name, widget.value)
+                if problem:
+                    box_problems.append(problem)
+                    value = R.NEUTRAL[name]
+                values[name] = value
+            else:
+                values[name] = (widget.value or None) if name in R.DEGREES else widget.value
+        if not self.applies("schedule"):
+            values["schedule"] = C.DEFAULT_SCHEDULE
+        return values, box_problems
+
     def config(self) -> C.TrainConfig:
-        """The TrainConfig the widgets describe now (not validated)."""
-        values = {k: (widget.value or None) if k in _DEGREES else widget.value
-                  for k, widget in self.fields.items()}
-        return C.TrainConfig.from_dict({**self._base.to_dict(), **values})
+        """The TrainConfig the widgets describe now (not validated); ValueError when a
+        number box does not hold a whole number."""
+        values, box_problems = self._values()
+        if box_problems:
+            raise ValueError("; ".join(box_problems))
+        return C.TrainConfig.from_dict(values)
+
+    @property
+    def problems(self) -> list[str]:
+        """Every reason the current choice cannot run on this pool ([] when it can)."""
+        values, found = self._values()
+        return found + R.problems(values, self.world_size(values["strategy"]))
 
     def check(self) -> str | None:
-        """None if the current choice can run on this pool, else the reason."""
-        cfg = self.config()
-        try:
-            cfg.validate(self.world_size(cfg.strategy))
-        except ValueError as err:
-            return str(err)
-        return None
+        """None if the current choice can run on this pool, else the reasons, one a line."""
+        found = self.problems
+        return "\n".join(found) if found else None
 
     def global_batch_text(self) -> str:
-        cfg = self.config()
+        head = "global batch = micro-batch × grad accum × dp"
         try:
+            cfg = self.config()
             dp = cfg.dims(self.world_size(cfg.strategy)).dp
         except ValueError:
-            return (f"global batch = micro x accum x dp = {cfg.micro_batch} x "
-                    f"{cfg.grad_accum} x ? (degrees do not fit the pool)")
-        return (f"global batch = micro x accum x dp = {cfg.micro_batch} x {cfg.grad_accum} x "
-                f"{dp} = {cfg.micro_batch * cfg.grad_accum * dp}")
-
-    def _refresh(self, _change=None) -> None:
-        self.batch_label.value = html.escape(self.global_batch_text())
-        problem = self.check()
-        self.button.disabled = problem is not None
-        if problem is None:
-            cfg = self.config()
-            d = cfg.dims(self.world_size(cfg.strategy))
-            self.explanation.value = html.escape(
-                f"ready: {cfg.strategy}/{cfg.backend} on {d.world_size} rank(s), "
-                f"dp={d.dp} tp={d.tp} pp={d.pp}")
-        else:
-            self.explanation.value = (f"<span style='color:#b00'>cannot run: "
-                                      f"{html.escape(problem)}</span>")
+            return f"{head} = ? (see below)"
+        return (f"{head} = {cfg.micro_batch} × {cfg.grad_accum} × {dp} = "
+                f"{cfg.micro_batch * cfg.grad_accum * dp}")
 
     @property
     def message(self) -> str:
-        """The explanation line as plain text."""
-        import re
+        """The explanation next to Run, as plain text (one problem a line)."""
+        return self._message
 
-        return html.unescape(re.sub(r"<[^>]+>", "", self.explanation.value))
+    def _say(self, text: str, html_text: str | None = None) -> None:
+        self._message = text
+        self.explanation.value = html.escape(text) if html_text is None else html_text
+
+    # -- state -----------------------------------------------------------------------
+    def _refresh(self, _change=None) -> None:
+        for name, widget in self.fields.items():
+            widget.layout.display = None if self.applies(name) else "none"
+        strategy = self.fields["strategy"].value
+        if strategy == "hybrid" and not any(self.fields[k].value for k in R.DEGREES):
+            layout = R.hybrid_layout(self._values()[0], self.pool.n)
+            if layout:  # explicit degrees that fit this pool, to start from
+                for k, v in layout.items():
+                    self.fields[k].value = v  # observers refresh again
+                return
+        self.batch_label.value = html.escape(self.global_batch_text())
+        found = self.problems
+        self.button.disabled = self.running or bool(found)
+        if self.running:
+            return
+        if found:
+            items = "".join(f"<li>{html.escape(p)}</li>" for p in found)
+            text = f"cannot run: {found[0]}" if len(found) == 1 else \
+                "cannot run:\n" + "\n".join(f"- {p}" for p in found)
+            self._say(text, f"<div class='nbpar-problems' style='color:#b00'>cannot run:"
+                            f"<ul style='margin:0;padding-left:1.4em'>{items}</ul></div>")
+        else:
+            cfg = self.config()
+            d = cfg.dims(self.world_size(cfg.strategy))
+            ranks = "1 rank" if d.world_size == 1 else f"{d.world_size} ranks"
+            self._say(f"ready: {cfg.strategy}/{cfg.backend} on {ranks}, "
+                      f"dp {d.dp} × tp {d.tp} × pp {d.pp}")
+
+    def _set_running(self, running: bool) -> None:
+        self.running = running
+        self.button.description = "running..." if running else "Run"
+        self.button.icon = "spinner" if running else "play"
+        self.button.disabled = running or bool(self.problems)
+        self.stop_button.layout.display = None if running else "none"
+        self.stop_button.disabled = not running
+        self.stop_button.description = "Stop"
+        if running:
+            self._say(f"running picker.runs[{len(self.runs)}]: Stop ends it after the "
+                      f"current step")
+
+    def _stop(self, _button=None) -> None:
+        if self.run is not None and self.running:
+            self.stop_button.disabled = True
+            self.stop_button.description = "stopping..."
+            self.run.stop()
 
     def _launch(self, _button=None):
         """The Run button: validate again, train, show the run's dashboard."""
@@ -117,20 +219,24 @@ class StrategyPicker:
 
         from nbpar.view.dashboard import Dashboard
 
-        if self.check() is not None:
+        if self.running:
+            return None  # the button is disabled while a run goes
+        if self.problems:
             self._refresh()
             return None
         cfg = self.config()
-        self.button.disabled = True
+        self._set_running(True)
         try:
-            self.run = self.pool.train(cfg)
+            run = self.pool.train(cfg)
         except Exception as err:  # pool closed, engine died: say so next to the button
-            self.explanation.value = (f"<span style='color:#b00'>could not start: "
-                                      f"{html.escape(str(err))}</span>")
+            self._set_running(False)
+            self._say(f"could not start: {err}", f"<span style='color:#b00'>could not start: "
+                                                 f"{html.escape(str(err))}</span>")
             return None
-        finally:
-            self.button.disabled = self.check() is not None
-        self.dashboard = Dashboard(self.run)
+        self.run = run
+        self.runs.append(run)
+        self.dashboard = Dashboard(run, stop_button=False).on_finish(self._finished)
+        self._show_runs()
         self.output.clear_output(wait=True)
         with self.output:
             display(self.dashboard.widget)
@@ -138,7 +244,17 @@ class StrategyPicker:
             self.dashboard.start()
         else:
             self.dashboard.follow()
-        return self.run
+        return run
+
+    def _finished(self, _dashboard) -> None:
+        self._set_running(False)
+        self._show_runs()
+        self._refresh()
+
+    def _show_runs(self) -> None:
+        from nbpar.view.picker_runs import runs_table
+
+        self.runs_list.value = runs_table(self.runs)
 
     def _ipython_display_(self):
         from IPython.display import display

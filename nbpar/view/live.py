@@ -1,0 +1,179 @@
+"""What the live dashboard draws: one row per step that every rank has finished.
+
+`LiveFeed` reads a run's step records as they arrive and returns only the steps that
+are new since the last read, as columns for `nbpar.view.livechart.LiveChart`. Lines
+are per rank only where ranks differ: each rank's loss on its own micro-batches
+(``local_loss``, when the records carry it), step and communication time, memory.
+The loss every rank reports after averaging is one line. Model states (params +
+grads + optimizer) get their own panel, in their own scale, beside the process memory
+they live in.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from nbpar.estimate import format_bytes
+from nbpar.view.history import COMM_HEALTH, SPLIT_WINDOW
+
+WAITING = "waiting for the first step"
+#: matplotlib's tab10, so the live chart and the static figures colour ranks alike
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+           "#7f7f7f", "#bcbd22", "#17becf")
+TITLES = {"loss": "loss", "step": "step time per rank", "throughput": "throughput",
+          "states": "model states per rank (params + grads + optimizer)",
+          "process": "process memory per rank"}
+
+
+def rank_color(i: int) -> str:
+    return PALETTE[i % len(PALETTE)]
+
+
+def waiting_spec() -> dict:
+    """Panels with titles and no series: the browser says "waiting for the first step"."""
+    return {"waiting": WAITING,
+            "panels": [{"id": k, "title": t, "unit": "", "series": []} for k, t in TITLES.items()]}
+
+
+def memory_key(rec: dict) -> str:
+    """What holds a rank's memory: the device allocator on a GPU, the process RSS on CPU."""
+    return "device_allocated_bytes" if rec.get("device_allocated_bytes") is not None \
+        else "rss_bytes"
+
+
+def states_bytes(rec: dict) -> float:
+    return sum(rec.get(k) or 0 for k in ("param_bytes", "grad_bytes", "optim_bytes"))
+
+
+def global_loss(recs: list[dict]):
+    """The run's loss at one step: every rank reports the averaged loss; a pipeline's last
+    stage is the one that computed it, so read from the last rank backwards."""
+    for rec in reversed(recs):
+        if rec.get("loss") is not None:
+            return rec["loss"]
+    return None
+
+
+def _series(label: str, i: int, **style) -> dict:
+    return {"label": label, "color": rank_color(i), **style}
+
+
+def build_spec(ranks: list[int], first: list[dict]) -> dict:
+    """The panels for this run, decided by its first complete step (never changed later,
+    so units do not jump): local losses if recorded, tokens/s or samples/s, RSS or
+    device memory."""
+    local = any(r.get("local_loss") is not None for r in first)
+    tokens = any(r.get("tokens_per_s") is not None for r in first)
+    device = memory_key(first[0]) == "device_allocated_bytes"
+    loss = [{"label": "loss (mean over ranks)", "color": "#222222", "width": 2.5}]
+    if local:
+        loss += [_series(f"rank {r} own batch", i, width=1, dash=[4, 3])
+                 for i, r in enumerate(ranks)]
+    step = [_series(f"rank {r} step", i) for i, r in enumerate(ranks)]
+    step += [_series(f"rank {r} comm", i, width=1.2, dash=[5, 4]) for i, r in enumerate(ranks)]
+    unit = "tokens/s" if tokens else "samples/s"
+    mem = "device memory per rank (allocated)" if device else "process memory per rank (RSS)"
+    panels = [
+        {"id": "loss", "title": TITLES["loss"], "unit": "", "series": loss},
+        {"id": "step", "title": "step and communication time per rank", "unit": "s",
+         "series": step},
+        {"id": "throughput", "title": f"throughput ({unit})", "unit": unit,
+         "series": [{"label": "whole run", "color": "#9467bd", "width": 2}]},
+        {"id": "states", "title": TITLES["states"], "unit": "B",
+         "series": [_series(f"rank {r}", i) for i, r in enumerate(ranks)]},
+        {"id": "process", "title": mem, "unit": "B",
+         "series": [_series(f"rank {r}", i) for i, r in enumerate(ranks)]},
+    ]
+    return {"waiting": WAITING, "panels": panels, "local_loss": local,
+            "throughput_key": "tokens_per_s" if tokens else "samples_per_s",
+            "memory_key": memory_key(first[0])}
+
+
+class LiveFeed:
+    """New complete steps of a run, as chart columns; ``notes`` say the latest numbers."""
+
+    def __init__(self, ranks: list[int]):
+        self.ranks = list(ranks)
+        self.spec: dict | None = None
+        self._last = {r: None for r in self.ranks}  # last step read per rank
+        self._pending: dict[int, dict[int, dict]] = {}
+        self._recent = {r: deque(maxlen=SPLIT_WINDOW) for r in self.ranks}
+        self._peak = dict.fromkeys(self.ranks, 0)
+        self.latest: dict[int, dict] = {}
+
+    def _new_records(self, history: list[dict]) -> list[dict]:
+        out = [rec for rec in history if rec["rank"] in self._last
+               and (self._last[rec["rank"]] is None or rec["step"] > self._last[rec["rank"]])]
+        for rec in out:
+            last = self._last[rec["rank"]]
+            self._last[rec["rank"]] = rec["step"] if last is None else max(last, rec["step"])
+        return out
+
+    def read(self, history: list[dict]) -> tuple[list[int], dict[str, list[list]], dict | None]:
+        """(steps, columns per panel, the spec if it is new) for steps finished since the
+        last read by every rank."""
+        for rec in self._new_records(history):
+            self._pending.setdefault(rec["step"], {})[rec["rank"]] = rec
+        complete = sorted(s for s, recs in self._pending.items() if len(recs) == len(self.ranks))
+        steps = []
+        for s in complete:
+            recs = self._pending.pop(s)
+            steps.append([recs[r] for r in self.ranks])
+        new_spec = None
+        if steps and self.spec is None:
+            self.spec = new_spec = build_spec(self.ranks, steps[0])
+        cols = {p["id"]: [[] for _ in p["series"]] for p in (self.spec or {"panels": []})["panels"]}
+        for recs in steps:
+            self._add_row(cols, recs)
+        return complete, cols, new_spec
+
+    def _add_row(self, cols: dict, recs: list[dict]) -> None:
+        spec = self.spec
+        loss = [global_loss(recs)]
+        if spec["local_loss"]:
+            loss += [r.get("local_loss") for r in recs]
+        step = [r.get("step_time_s") for r in recs] + [r.get("comm_s") for r in recs]
+        rates = [r.get(spec["throughput_key"]) for r in recs]
+        rates = [v for v in rates if v is not None]
+        row = {"loss": loss, "step": step, "throughput": [min(rates) if rates else None],
+               "states": [states_bytes(r) for r in recs],
+               "process": [r.get(spec["memory_key"]) for r in recs]}
+        for panel, values in row.items():
+            for col, value in zip(cols[panel], values):
+                col.append(value)
+        for rank, rec in zip(self.ranks, recs):
+            self.latest[rank] = rec
+            self._recent[rank].append(rec)
+            self._peak[rank] = max(self._peak[rank], rec.get(spec["memory_key"]) or 0,
+                                   rec.get("peak_bytes") or 0)
+
+    def notes(self) -> dict[str, str]:
+        """One line under each panel with the latest numbers (empty before the first step)."""
+        if not self.latest:
+            return {}
+        spec, ranks = self.spec, [r for r in self.ranks if r in self.latest]
+        shares = {}
+        for r in ranks:
+            recent = self._recent[r]
+            total = sum(x.get("step_time_s") or 0.0 for x in recent)
+            shares[r] = sum(x.get("comm_s") or 0.0 for x in recent) / total if total else 0.0
+        busy = [r for r, s in shares.items() if s > COMM_HEALTH]
+        comm = " · ".join(f"rank {r} {s:.0%}" for r, s in shares.items())
+        states = " · ".join(
+            f"rank {r}: params {format_bytes(self.latest[r].get('param_bytes') or 0)}, "
+            f"grads {format_bytes(self.latest[r].get('grad_bytes') or 0)}, "
+            f"optimizer {format_bytes(self.latest[r].get('optim_bytes') or 0)}" for r in ranks)
+        loss = ("thick: the loss averaged over ranks; dashed: each rank's loss on its own "
+                "micro-batches" if spec["local_loss"] else
+                "the loss averaged over ranks (every rank reports this same value)")
+        rate = self.latest[ranks[-1]].get(spec["throughput_key"])
+        return {
+            "loss": loss,
+            "step": f"communication, last {SPLIT_WINDOW} steps: {comm}"
+                    + (f" (above {COMM_HEALTH:.0%}: worth a look)" if busy else ""),
+            "throughput": "the whole run's rate, set by the slowest rank"
+                          + (f"; latest {rate:,.0f} {spec['throughput_key'][:-6]}/s"
+                             if rate else ""),
+            "states": states,
+            "process": "peak: " + " · ".join(f"rank {r} {format_bytes(self._peak[r])}"
+                                              for r in ranks),
+        }
