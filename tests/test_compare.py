@@ -46,7 +46,8 @@ def test_figure_bars_match_the_table():
 def test_text_and_html_reprs():
     cmp = compare(list(_runs()))
     text = repr(cmp).splitlines()
-    assert text[0].split()[:2] == ["run", "peak/rank"]
+    assert text[0].split()[:2] == ["run", "steps"]
+    assert "peak/rank" in text[0] and len(text) == 3  # like for like: no warning
     assert text[1].startswith("ddp/torch") and format_bytes(125 * MB) in text[1]
     page = cmp._repr_html_()
     assert page.count("<tr>") == 3 and "zero3/deepspeed" in page
@@ -65,3 +66,54 @@ def test_duplicate_labels_and_bad_input():
     with pytest.raises(TypeError):
         compare([3])
     assert format_bytes(52e9) == "52.0 GB" and format_bytes(512) == "512 B"
+
+
+def test_steps_batch_and_precision_beside_the_numbers_and_warnings():
+    ddp, _ = _runs()
+    long = FakeRun(cfg=TrainConfig(strategy="zero2", steps=8, micro_batch=4, precision="bf16"),
+                   history=history(8), finished=True)
+    cmp = compare([ddp, long])
+    a, b = cmp.table
+    assert (a["steps"], a["global_batch"], a["precision"]) == (5, 16, "fp32")
+    assert (b["steps"], b["global_batch"], b["precision"]) == (8, 8, "bf16")
+    assert cmp.warnings == [
+        "runs differ in length (ddp/torch 5 steps, zero2/torch 8 steps): final losses and "
+        "averages cover different spans",
+        "runs differ in global batch (ddp/torch 16 samples, zero2/torch 8 samples): losses "
+        "and throughput are not like for like",
+        "runs differ in precision (ddp/torch fp32, zero2/torch bf16): memory, speed and "
+        "losses differ by design"]
+    assert repr(cmp).splitlines()[-3].startswith("warning: runs differ in length")
+    page = cmp._repr_html_()
+    assert page.count("nbpar-warning") == 3 and "<th>global batch</th>" in page
+    assert page.index("nbpar-warning") < page.index("<table>")
+
+
+def test_figure_text_is_readable():
+    fig = compare(list(_runs())).figure
+    for ax in fig.axes:
+        assert ax.title.get_fontsize() >= 11
+        assert min(t.get_fontsize() for t in ax.get_xticklabels()) >= 10
+        assert min(t.get_fontsize() for t in ax.get_yticklabels()) >= 10
+
+
+def test_run_result_displays_a_summary_and_stays_the_same_dict():
+    import json
+
+    from IPython.lib.pretty import pretty
+
+    from nbpar.pool.run import RunResult
+
+    ddp, _ = _runs()
+    plain = FakeRun(cfg=TrainConfig(strategy="ddp", steps=300), history=history(300),
+                    finished=True).result()
+    res = RunResult(plain)
+    assert res == plain and json.loads(json.dumps(res)) == json.loads(json.dumps(plain))
+    assert set(res) == {"config", "losses", "ranks", "step_time_s", "comm_fraction",
+                        "bubble_fraction"}
+    text = pretty(res)
+    assert len(text.splitlines()) <= 8 and len(text) < 800
+    assert "ddp/torch tiny_gpt: 300 steps, global batch 16, fp32" in text
+    assert f"loss {plain['losses'][0]:.4f} -> {plain['losses'][-1]:.4f}" in text
+    assert "rank 1: peak " in text
+    assert "<b>ddp/torch tiny_gpt: 300 steps" in res._repr_html_()

@@ -41,6 +41,27 @@ def train_on_engine(cfg: dict, run_id: str) -> dict:
     return run_training(cfg, publish=publish, should_stop=should_stop)
 
 
+class RunResult(dict):
+    """What `Run.result()` returns: the CLI's JSON dict, unchanged (same keys, plain
+    values, ``json.dumps`` as before); a notebook displays it as a summary, not as
+    every loss value."""
+
+    def summary(self) -> list[str]:
+        from nbpar.view.compare import describe
+
+        return describe(self)
+
+    def _repr_pretty_(self, p, cycle):
+        p.text("{...}" if cycle else "<nbpar run result>\n" + "\n".join(self.summary()))
+
+    def _repr_html_(self):
+        import html
+
+        lines = self.summary()
+        return (f"<div class='nbpar-result'><b>{html.escape(lines[0])}</b><br>"
+                + "<br>".join(html.escape(x) for x in lines[1:]) + "</div>")
+
+
 class Run:
     """One ``pool.train(cfg)``: live history, ``wait()``, ``stop()``, ``result()``."""
 
@@ -104,10 +125,10 @@ class Run:
         comm = [res[r]["comm_fraction"] for r in self.ranks if res[r]["comm_fraction"] is not None]
         bubbles = [res[r]["bubble_fraction"] for r in self.ranks
                    if res[r].get("bubble_fraction") is not None]
-        return {"config": self.cfg.to_dict(), "losses": last["losses"], "ranks": ranks,
+        return RunResult({"config": self.cfg.to_dict(), "losses": last["losses"], "ranks": ranks,
                 "step_time_s": max(res[r]["step_time_s"] for r in self.ranks),
                 "comm_fraction": statistics.mean(comm) if comm else 0.0,
-                "bubble_fraction": max(bubbles) if bubbles else None}
+                "bubble_fraction": max(bubbles) if bubbles else None})
 
     def estimate(self):
         """The analytic memory estimate for this run's model, strategy and degrees."""

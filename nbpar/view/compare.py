@@ -14,10 +14,12 @@ from nbpar.view.history import run_label
 from nbpar.view.panels import bytes_axis, figure_png
 
 REQUIRED = ("config", "losses", "ranks", "step_time_s", "comm_fraction")
-COLUMNS = (("label", "run"), ("peak_bytes", "peak/rank"), ("param_bytes", "params/rank"),
-           ("grad_bytes", "grads/rank"), ("optim_bytes", "optim/rank"),
-           ("step_time_s", "step time"), ("comm_fraction", "comm"),
-           ("final_loss", "final loss"))
+COLUMNS = (("label", "run"), ("steps", "steps"), ("global_batch", "global batch"),
+           ("precision", "precision"), ("peak_bytes", "peak/rank"),
+           ("param_bytes", "params/rank"), ("grad_bytes", "grads/rank"),
+           ("optim_bytes", "optim/rank"), ("step_time_s", "step time"),
+           ("comm_fraction", "comm"), ("final_loss", "final loss"))
+FONT = 11  # points: the figure is shown about its own width, so this is what you read
 
 
 def _fmt(key: str, value) -> str:
@@ -50,11 +52,23 @@ def _result(obj) -> dict:
     return res
 
 
+def global_batch(res: dict) -> int | None:
+    """Samples per optimizer step of a result dict (micro x accum x dp), None if unknown."""
+    from nbpar.config import TrainConfig
+
+    try:
+        return TrainConfig.from_dict(res["config"]).global_batch(len(res["ranks"]))
+    except (TypeError, ValueError, KeyError):
+        return None
+
+
 def summarize(obj, label: str | None = None) -> dict:
     """One table row: per-rank bytes are the largest over ranks (the rank that limits you)."""
     res = _result(obj)
     ranks = res["ranks"]
-    row = {"label": label or run_label(res)}
+    cfg = res["config"] if isinstance(res["config"], dict) else {}
+    row = {"label": label or run_label(res), "steps": len(res["losses"]),
+           "global_batch": global_batch(res), "precision": cfg.get("precision")}
     for key in ("peak_bytes", "param_bytes", "grad_bytes", "optim_bytes"):
         row[key] = max(r[key] for r in ranks)
     row.update(step_time_s=res["step_time_s"], comm_fraction=res["comm_fraction"],
@@ -63,11 +77,27 @@ def summarize(obj, label: str | None = None) -> dict:
     return row
 
 
+def differences(rows: list[dict]) -> list[str]:
+    """Warnings for runs that are not like for like: other length, batch or precision."""
+    out = []
+    for key, what, unit, why in (
+            ("steps", "length", " steps", "final losses and averages cover different spans"),
+            ("global_batch", "global batch", " samples",
+             "losses and throughput are not like for like"),
+            ("precision", "precision", "", "memory, speed and losses differ by design")):
+        values = {row[key] for row in rows}
+        if len(values) > 1:
+            each = ", ".join(f"{row['label']} {_fmt(key, row[key])}{unit}" for row in rows)
+            out.append(f"runs differ in {what} ({each}): {why}")
+    return out
+
+
 class Comparison:
-    """``.table`` (rows), ``.figure`` (bars), HTML table + figure in a notebook."""
+    """``.table`` (rows), ``.warnings``, ``.figure`` (bars); HTML table + figure."""
 
     def __init__(self, rows: list[dict]):
         self.table = rows
+        self.warnings = differences(rows)
         self._figure = None
 
     @property
@@ -80,9 +110,9 @@ class Comparison:
         cells = [[title for _, title in COLUMNS]]
         cells += [[_fmt(key, row[key]) for key, _ in COLUMNS] for row in self.table]
         widths = [max(len(r[i]) for r in cells) for i in range(len(COLUMNS))]
-        return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                                   for i, (c, w) in enumerate(zip(r, widths))).rstrip()
-                         for r in cells)
+        lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                           for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in cells]
+        return "\n".join(lines + [f"warning: {w}" for w in self.warnings])
 
     def html_table(self) -> str:
         head = "".join(f"<th>{html.escape(t)}</th>" for _, t in COLUMNS)
@@ -95,17 +125,20 @@ class Comparison:
     def png(self) -> bytes:
         return figure_png(self.figure)
 
+    def html_warnings(self) -> str:
+        return "".join(f"<div class='nbpar-warning' style='color:#a40;margin:2px 0'>"
+                       f"&#9888; {html.escape(w)}</div>" for w in self.warnings)
+
     def _repr_html_(self) -> str:
         img = base64.b64encode(self.png()).decode("ascii")
-        return (f"<div style='display:flex;gap:1em;align-items:flex-start;flex-wrap:wrap'>"
-                f"<div>{self.html_table()}</div>"
-                f"<img src='data:image/png;base64,{img}' style='max-width:640px'/></div>")
+        return (f"<div class='nbpar-compare'>{self.html_warnings()}{self.html_table()}"
+                f"<img src='data:image/png;base64,{img}' style='max-width:100%'/></div>")
 
 
 def _figure(rows: list[dict]):
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(11, 3), layout="constrained")
+    fig = Figure(figsize=(12, 3.6), dpi=90, layout="constrained")
     axes = fig.subplots(1, 4)
     labels = [r["label"] for r in rows]
     x = list(range(len(rows)))
@@ -115,8 +148,9 @@ def _figure(rows: list[dict]):
               ("final_loss", "final loss", "tab:purple"))
     for ax, (key, title, color) in zip(axes, panels):
         ax.bar(x, [r[key] if r[key] is not None else 0.0 for r in rows], color=color)
-        ax.set_xticks(x, labels, rotation=30, ha="right", fontsize="small")
-        ax.set_title(title, fontsize="medium")
+        ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=FONT)
+        ax.tick_params(axis="y", labelsize=FONT)
+        ax.set_title(title, fontsize=FONT + 1)
     bytes_axis(axes[0])
     axes[2].axhline(0.2, ls="--", color="k", lw=1)
     return fig
@@ -136,3 +170,28 @@ def compare(runs, labels=None) -> Comparison:
         if n > 1:
             row["label"] = f"{row['label']} ({n})"
     return Comparison(rows)
+
+
+def describe(res: dict) -> list[str]:
+    """A result dict (`Run.result()`, `nbpar train --json`) as a few lines: what ran,
+    the loss from first to last, timing and the largest rank's memory."""
+    row = summarize(res)
+    cfg = res["config"] if isinstance(res["config"], dict) else {}
+    losses = res["losses"]
+    batch = f"global batch {row['global_batch']}" if row["global_batch"] else "global batch ?"
+    lines = [f"{row['label']} {cfg.get('model', '')}: {row['steps']} steps, {batch}, "
+             f"{row['precision']}".replace(" :", ":")]
+    if losses:
+        lines.append(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} "
+                     f"(all {len(losses)} values: ['losses'])")
+    timing = f"step time {_fmt('step_time_s', res['step_time_s'])}, communication " \
+             f"{_fmt('comm_fraction', res['comm_fraction'])}"
+    if res.get("bubble_fraction") is not None:
+        timing += f", pipeline bubble {res['bubble_fraction']:.0%}"
+    lines.append(timing)
+    for r in res["ranks"]:
+        lines.append(f"rank {r['rank']}: peak {_fmt('peak_bytes', r.get('peak_bytes'))}, "
+                     f"params {_fmt('param_bytes', r.get('param_bytes'))}, grads "
+                     f"{_fmt('grad_bytes', r.get('grad_bytes'))}, optimizer "
+                     f"{_fmt('optim_bytes', r.get('optim_bytes'))}")
+    return lines
