@@ -75,5 +75,21 @@ lab: setup
 bench: setup
 	$(PY) -m nbpar bench launch --engines 2 --json
 
+# Each benchmark writes benchmarks/results/<name>.json (date, CPU, cores, torch, load,
+# median and spread over repeats); bench-report rewrites README.md's performance tables
+# from them (tests/test_bench_results.py fails when they disagree). One benchmark:
+# make bench-results BENCHMARKS=ddp_vs_torchrun
+BENCHMARKS ?= pool_startup ddp_vs_torchrun dashboard_overhead pipeline_bubble \
+	pipeline_memory memory_vs_estimate reliability scaling
+.PHONY: bench-results bench-report
+bench-results: setup
+	@mkdir -p .tmp
+	@for b in $(BENCHMARKS); do echo "benchmarks/$$b.py"; \
+	    $(PY) benchmarks/$$b.py || exit 1; done
+	$(PY) benchmarks/report.py
+
+bench-report: setup
+	$(PY) benchmarks/report.py
+
 clean:
 	rm -rf .tmp artifacts $(VENV)

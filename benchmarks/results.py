@@ -1,0 +1,151 @@
+"""One results file per benchmark: what was measured, where, when, and how much it moved.
+
+Every benchmark ends with `write(name, ...)`, which writes ``results/<name>.json``:
+
+    {"name", "title", "method", "date" (UTC ISO), "cpu_model", "cores", "torch",
+     "load_avg": {"start", "end"} (1-minute load average of the machine),
+     "repeats", "config", "notes",
+     "figures": [{"label", "unit", "median", "min", "max", "n", "values", "target",
+                  "meets"}],
+     "rows": [raw measurements, one per repeat or case]}
+
+A figure is the median over its repeats and its spread (min and max, n values);
+a target is written ``"<= 1.05"`` (or ``<``, ``>=``, ``>``) and judged on the median.
+`benchmarks/report.py` turns the files into the README's tables.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import operator
+import os
+import statistics
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().with_name("results")
+REQUIRED = ("name", "title", "method", "date", "cpu_model", "cores", "torch", "load_avg",
+            "repeats", "config", "figures", "rows")
+_OPS = {"<=": operator.le, "<": operator.lt, ">=": operator.ge, ">": operator.gt}
+FIGURE_KEYS = ("label", "unit", "median", "min", "max", "n", "values", "target", "meets")
+
+
+def load_avg() -> float:
+    """The machine's 1-minute load average (how busy the cores were)."""
+    return round(os.getloadavg()[0], 2)
+
+
+class Recorder:
+    """Collects a benchmark's figures and rows; `save()` writes its results file."""
+
+    def __init__(self, name: str, title: str, method: str, *, repeats: int,
+                 config: dict | None = None, notes: str = ""):
+        self.name, self.title, self.method = name, title, " ".join(method.split())
+        self.repeats, self.config, self.notes = repeats, dict(config or {}), notes
+        self.figures: list[dict] = []
+        self.rows: list[dict] = []
+        self.load_start = load_avg()
+        self.started = time.monotonic()
+
+    def figure(self, label: str, values, unit: str = "", target: str | None = None,
+               digits: int = 4) -> dict:
+        """Add a figure: the median and spread of ``values`` (one per repeat)."""
+        fig = {"label": label, "unit": unit, **spread(values, digits), "target": target}
+        fig["meets"] = meets(fig["median"], target)
+        self.figures.append(fig)
+        return fig
+
+    def row(self, **values) -> None:
+        self.rows.append(values)
+
+    def save(self, root: Path = RESULTS) -> Path:
+        data = {"name": self.name, "title": self.title, "method": self.method,
+                **environment(), "load_avg": {"start": self.load_start, "end": load_avg()},
+                "seconds": round(time.monotonic() - self.started, 1),
+                "repeats": self.repeats, "config": self.config, "notes": self.notes,
+                "figures": self.figures, "rows": self.rows}
+        return write(data, root)
+
+
+def spread(values, digits: int = 4) -> dict:
+    """Median, min, max and count of ``values``, rounded to ``digits`` significant."""
+    vals = [_round(float(v), digits) for v in values]  # the file holds these: the median
+    if not vals:                                       # is recomputed from them exactly
+        raise ValueError("a figure needs at least one value")
+    return {"median": _round(statistics.median(vals), digits), "min": min(vals),
+            "max": max(vals), "n": len(vals), "values": vals}
+
+
+def _round(value: float, digits: int) -> float:
+    return float(f"{value:.{digits}g}")
+
+
+def meets(value: float, target: str | None) -> bool | None:
+    """Whether ``value`` meets a target written ``"<= x"``, ``"< x"``, ``">= x"`` or
+    ``"> x"`` (None: no target)."""
+    if not target:
+        return None
+    op, bound = target.split()
+    if op not in _OPS:
+        raise ValueError(f"target {target!r}: write '<= x', '< x', '>= x' or '> x'")
+    return _OPS[op](value, float(bound))
+
+
+def environment() -> dict:
+    """Date (UTC), CPU model, core count and torch version of this machine."""
+    import torch
+
+    from nbpar.device import cpu_model
+
+    now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
+    return {"date": now.isoformat(), "cpu_model": cpu_model(), "cores": os.cpu_count(),
+            "torch": torch.__version__}
+
+
+def problems(data: dict) -> list[str]:
+    """What a results file lacks or gets wrong (empty when it is complete)."""
+    name = data.get("name", "?")
+    out = [f"{name}: missing field {k!r}" for k in REQUIRED if k not in data]
+    if not isinstance(data.get("load_avg"), dict) or set(data["load_avg"]) != {"start", "end"}:
+        out.append(f"{name}: load_avg must be {{'start', 'end'}}")
+    if not data.get("figures"):
+        out.append(f"{name}: no figures")
+    for fig in data.get("figures") or []:
+        label = fig.get("label", "?")
+        missing = [k for k in FIGURE_KEYS if k not in fig]
+        if missing:
+            out.append(f"{name}: figure {label!r} lacks {missing}")
+            continue
+        vals = fig["values"]
+        if not vals or fig["n"] != len(vals) or (fig["min"], fig["max"]) != (min(vals), max(vals)):
+            out.append(f"{name}: figure {label!r}: min/max/n disagree with its values")
+        elif not fig["min"] <= fig["median"] <= fig["max"]:
+            out.append(f"{name}: figure {label!r}: median/min/max out of order")
+        elif not math.isclose(statistics.median(fig["values"]), fig["median"],
+                              rel_tol=1e-3, abs_tol=1e-9):  # 4 significant digits
+            out.append(f"{name}: figure {label!r}: median is not the median of its values")
+        if fig["meets"] != meets(fig["median"], fig["target"]):
+            out.append(f"{name}: figure {label!r}: 'meets' disagrees with its target")
+    return out
+
+
+def write(data: dict, root: Path = RESULTS) -> Path:
+    """Write ``data`` as ``root/<name>.json`` (checked first) and print where."""
+    found = problems(data)
+    if found:
+        raise ValueError("; ".join(found))
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / f"{data['name']}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    print(json.dumps({"results": str(path), "figures": {f["label"]: f["median"]
+                                                        for f in data["figures"]}}))
+    return path
+
+
+def read_all(root: Path = RESULTS) -> dict[str, dict]:
+    """Every results file under ``root``, by benchmark name."""
+    return {p.stem: json.loads(p.read_text(encoding="utf-8"))
+            for p in sorted(root.glob("*.json"))}
