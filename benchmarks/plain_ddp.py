@@ -1,12 +1,23 @@
 """A plain DDP training script, the way one writes it for torchrun: the baseline.
 
-    python -m torch.distributed.run --nproc_per_node 2 benchmarks/plain_ddp.py --steps 60
+    torchrun --standalone --nproc_per_node 2 benchmarks/plain_ddp.py --steps 40
 
-Same model, data and batch as ``nbpar train --strategy ddp``; prints one JSON
-line from rank 0 with the median step time (data loading excluded, as in nbpar).
+Same model, data, batch and threads per process as ``nbpar train --strategy ddp``.
+First an untimed run of ``--warmup-steps`` steps (one-off costs of a fresh process,
+such as the first optimizer step's imports, paid as in nbpar's warmed pool).
+Rank 0 prints one JSON line:
+
+- ``wall_s``: from a barrier after ``init_process_group`` (torch imported, group up:
+  the state of a started nbpar pool) to a barrier after the last step: building the
+  model, DDP, optimizer and data loader, then ``--steps`` steps (each with the loss
+  all-reduced, as nbpar reports the global loss);
+- ``loop_s``: wall clock from the end of the first step to the end of the last
+  (the slowest rank's), the same window `ddp_vs_torchrun.py` reads from nbpar's records;
+- ``step_time_s``: the median step (data loading excluded, as in nbpar).
 """
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -19,27 +30,17 @@ from nbpar.train.data import build_loader
 from nbpar.train.models import build_model, loss_fn
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--model", default="tiny_gpt")
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=128)
-    args = p.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(max(1, (torch.get_num_threads()) // world))
+def train(args, rank: int, world: int) -> tuple[list[float], list[float], float]:
+    """Build everything and run the steps: (step times, wall clock at each step's end,
+    the last step's loss of the global batch)."""
     cfg = TrainConfig(model=args.model, strategy="ddp", micro_batch=args.micro_batch,
                       steps=args.steps, gpt=GPTConfig(d_model=args.d_model, n_layers=args.layers,
                                                       seq_len=args.seq_len))
     model = DDP(build_model(cfg))
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     criterion = loss_fn(cfg.model)
-    loader = build_loader(cfg, rank, world)
-    batches = iter(loader)
-    times = []
+    batches = iter(build_loader(cfg, rank, world))
+    times, ends = [], []
     for _ in range(args.steps):
         x, y = next(batches)
         t = time.perf_counter()
@@ -49,9 +50,38 @@ def main():
         opt.step()
         report = loss.detach().reshape(1)
         dist.all_reduce(report)
+        last = report.item() / world
         times.append(time.perf_counter() - t)
+        ends.append(time.time())
+    return times, ends, last
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--model", default="tiny_gpt")
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--warmup-steps", type=int, default=2, help="an untimed run first (0: none)")
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # nbpar's rule for gloo engines on one host: the cores shared out between the ranks
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if args.warmup_steps:  # as nbpar's pool is warmed: one short run first, not timed
+        train(argparse.Namespace(**{**vars(args), "steps": args.warmup_steps}), rank, world)
+    dist.barrier()
+    start = time.perf_counter()
+    times, ends, last = train(args, rank, world)
+    dist.barrier()
+    wall = time.perf_counter() - start
+    loops = [None] * world
+    dist.all_gather_object(loops, ends[-1] - ends[0])
     if rank == 0:
-        print(json.dumps({"step_time_s": statistics.median(times[5:])}))
+        print(json.dumps({"wall_s": wall, "loop_s": max(loops),
+                          "step_time_s": statistics.median(times[1:] or times), "last_loss": last}))
     dist.destroy_process_group()
 
 
