@@ -1,15 +1,18 @@
 """Measured GPipe bubble vs the theory (p-1)/(m+p-1), p=2, m in {2,4,8}.
 
-    python benchmarks/pipeline_bubble.py --json
+    python benchmarks/pipeline_bubble.py --repeats 3
 
 The model is sized so compute, not send/recv latency, dominates a stage's
 work (tiny models on CPU are all latency and show a much larger bubble).
-Prints one JSON object with a row per m: measured, theory, difference in points.
+Each round runs every m once (2 engines, micro-batch 2; a run's figure is the median
+of both ranks' measured bubble); the rounds alternate the order of m.
+
+Writes results/pipeline_bubble.json.
 """
 import argparse
-import json
-import os
 import statistics
+
+from results import Recorder
 
 import nbpar
 from nbpar.config import GPTConfig
@@ -24,22 +27,32 @@ def main():
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--schedule", default="gpipe")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     gpt = GPTConfig(d_model=args.d_model, n_layers=args.layers, n_heads=4,
                     seq_len=args.seq_len)
-    rows = []
+    rec = Recorder("pipeline_bubble", f"measured {args.schedule} bubble vs (p-1)/(m+p-1), p=2",
+                   __doc__.split("\n\n", 2)[2].split("\n\nWrites")[0], repeats=args.repeats,
+                   config={"engines": 2, "schedule": args.schedule, "micro_batch": 2,
+                           "steps": args.steps, "d_model": args.d_model,
+                           "layers": args.layers, "seq_len": args.seq_len})
     with nbpar.Pool(2, env={"OMP_NUM_THREADS": "1"}) as pool:
-        for m in args.micro_batches:
-            cfg = nbpar.TrainConfig(model="tiny_gpt", strategy="pipeline", schedule=args.schedule,
-                                    micro_batch=2, grad_accum=m, steps=args.steps, gpt=gpt)
-            per_rank = pool.train(cfg).per_rank()
-            measured = statistics.median(r["bubble_fraction"] for r in per_rank.values())
-            theory = theory_bubble(2, m)
-            rows.append({"p": 2, "m": m, "measured": measured, "theory": theory,
-                         "diff_points": 100 * (measured - theory)})
-    print(json.dumps({"schedule": args.schedule, "rows": rows, "cores": os.cpu_count(),
-                      "target_points": 5}))
+        for i in range(args.repeats):  # rounds; the order of m alternates between them
+            for m in (args.micro_batches if i % 2 == 0 else args.micro_batches[::-1]):
+                cfg = nbpar.TrainConfig(model="tiny_gpt", strategy="pipeline",
+                                        schedule=args.schedule, micro_batch=2, grad_accum=m,
+                                        steps=args.steps, gpt=gpt)
+                per_rank = pool.train(cfg).per_rank()
+                measured = statistics.median(r["bubble_fraction"] for r in per_rank.values())
+                rec.row(repeat=i, p=2, m=m, measured=measured, theory=theory_bubble(2, m),
+                        diff_points=100 * (measured - theory_bubble(2, m)))
+    for m in args.micro_batches:
+        rec.figure(f"bubble, m={m} (theory {theory_bubble(2, m):.3f})",
+                   [r["measured"] for r in rec.rows if r["m"] == m], "", digits=3)
+    rec.figure("|measured - theory| in points, worst m",
+               [max(abs(r["diff_points"]) for r in rec.rows if r["repeat"] == i)
+                for i in range(args.repeats)], "points", "<= 5", digits=3)
+    rec.save()
 
 
 if __name__ == "__main__":

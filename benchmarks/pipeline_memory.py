@@ -6,10 +6,13 @@ GPipe (Huang et al. 2019) keeps all m micro-batches' saved activations on the
 first stage until the backwards start; 1F1B (PipeDream-Flush, Narayanan et al.
 2019) keeps at most p. Counted by `nbpar.parallel.saved_activations` (bytes
 autograd saves for backward, live until that micro-batch's backward).
-Prints one JSON object: stage-0 peak bytes per schedule and their ratio.
+Each repeat runs both schedules on one 2-engine pool (order alternated).
+
+Writes results/pipeline_memory.json.
 """
 import argparse
-import json
+
+from results import Recorder
 
 import nbpar
 from nbpar.config import GPTConfig
@@ -33,12 +36,25 @@ def main():
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args()
+    rec = Recorder("pipeline_memory", f"stage-0 activation memory, 1F1B vs GPipe, p=2, m={args.m}",
+                   __doc__.split("\n\n", 2)[2].split("\n\nWrites")[0], repeats=args.repeats,
+                   config={"engines": 2, "m": args.m, "micro_batch": args.micro_batch,
+                           "d_model": args.d_model, "layers": args.layers,
+                           "seq_len": args.seq_len, "steps": args.steps},
+                   notes="activation bytes are deterministic; repeated to show it")
     with nbpar.Pool(2) as pool:
-        gpipe = stage0_peak(pool, "gpipe", args)
-        f1b = stage0_peak(pool, "1f1b", args)
-    print(json.dumps({"gpipe_stage0_bytes": gpipe, "1f1b_stage0_bytes": f1b,
-                      "ratio": f1b / gpipe, "p": 2, "m": args.m}))
+        for i in range(args.repeats):
+            order = ("gpipe", "1f1b") if i % 2 == 0 else ("1f1b", "gpipe")
+            got = {schedule: stage0_peak(pool, schedule, args) for schedule in order}
+            rec.row(repeat=i, gpipe_stage0_bytes=got["gpipe"], f1b_stage0_bytes=got["1f1b"])
+    rows = rec.rows
+    rec.figure(f"1F1B / GPipe (p/m = {2 / args.m:.2f})",
+               [r["f1b_stage0_bytes"] / r["gpipe_stage0_bytes"] for r in rows], "x", "< 1", 3)
+    rec.figure("GPipe, stage 0", [r["gpipe_stage0_bytes"] / 1e6 for r in rows], "MB", digits=3)
+    rec.figure("1F1B, stage 0", [r["f1b_stage0_bytes"] / 1e6 for r in rows], "MB", digits=3)
+    rec.save()
 
 
 if __name__ == "__main__":

@@ -1,36 +1,61 @@
 """Scaling on this machine: DDP throughput with 1, 2 and 4 engines, same global batch.
 
-    python benchmarks/scaling.py
+    python benchmarks/scaling.py --repeats 3
 
-Kept honest: the core count is printed with the table. With 2 cores, 4 engines
+Kept honest: the core count is written with the figures. With 2 cores, 4 engines
 share them, so throughput cannot grow past 2 engines; the point is to see the
 split between compute and communication change, not a speed-up.
+
+Each round starts a fresh pool per engine count (the order reverses between rounds)
+and trains tiny_gpt for ``--steps`` steps at a global batch of 16 (1 engine: strategy
+single); a run's figures are rank 0's median tokens/s and its mean share of the step
+spent in communication, steps 6 on.
+
+Writes results/scaling.json.
 """
-import json
-import os
+import argparse
 import statistics
+
+from results import Recorder
 
 import nbpar
 
+ENGINES = (1, 2, 4)
+GLOBAL_BATCH = 16
+
+
+def one(engines: int, steps: int) -> dict:
+    with nbpar.Pool(engines) as pool:
+        strategy = "single" if engines == 1 else "ddp"
+        run = pool.train(nbpar.TrainConfig(model="tiny_gpt", strategy=strategy, steps=steps,
+                                           micro_batch=GLOBAL_BATCH // engines))
+        hist = run.per_rank()[0]["history"][5:]
+    return {"step_time_s": statistics.median(r["step_time_s"] for r in hist),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in hist),
+            "comm_fraction": statistics.fmean(r["comm_s"] / r["step_time_s"] for r in hist)}
+
 
 def main():
-    rows = []
-    global_batch = 16
-    for engines in (1, 2, 4):
-        with nbpar.Pool(engines) as pool:
-            strategy = "single" if engines == 1 else "ddp"
-            run = pool.train(nbpar.TrainConfig(model="tiny_gpt", strategy=strategy,
-                                               micro_batch=global_batch // engines, steps=40))
-            hist = run.per_rank()[0]["history"][5:]
-            step = statistics.median(r["step_time_s"] for r in hist)
-            comm = statistics.fmean(r["comm_s"] / r["step_time_s"] for r in hist)
-            rows.append({"engines": engines, "step_time_s": step,
-                         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in hist),
-                         "comm_fraction": comm})
-    base = rows[0]["tokens_per_s"]
-    for r in rows:
-        r["speedup"] = r["tokens_per_s"] / base
-    print(json.dumps({"rows": rows, "cores": os.cpu_count(), "global_batch": global_batch}))
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    rec = Recorder("scaling", "tiny GPT DDP, global batch 16, 1 / 2 / 4 engines",
+                   __doc__.split("\n\n", 3)[3].split("\n\nWrites")[0], repeats=args.repeats,
+                   config={"engines": list(ENGINES), "global_batch": GLOBAL_BATCH,
+                           "steps": args.steps, "model": "tiny_gpt"})
+    for i in range(args.repeats):
+        for engines in (ENGINES if i % 2 == 0 else ENGINES[::-1]):
+            rec.row(repeat=i, engines=engines, **one(engines, args.steps))
+    for engines in ENGINES:
+        mine = [r for r in rec.rows if r["engines"] == engines]
+        rec.figure(f"tokens/s, {engines} engine{'s' if engines > 1 else ''}",
+                   [r["tokens_per_s"] / 1000 for r in mine], "k", digits=3)
+    for engines in ENGINES[1:]:
+        mine = [r for r in rec.rows if r["engines"] == engines]
+        rec.figure(f"communication share of the step, {engines} engines",
+                   [100 * r["comm_fraction"] for r in mine], "%", digits=3)
+    rec.save()
 
 
 if __name__ == "__main__":
