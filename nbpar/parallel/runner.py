@@ -35,20 +35,30 @@ def clip_grad_norm(params, max_norm: float, pp_group=None) -> float:
     """Scale gradients so their global 2-norm is at most ``max_norm``; returns the norm.
 
     Sharded (DTensor) gradients are reduced over their mesh, pipeline stages over
-    ``pp_group`` (torchtitan's recipe), so every rank scales by the same factor.
+    ``pp_group`` (torchtitan's recipe), so every rank scales by the same factor; plain
+    gradients next to DTensor ones (tensor parallelism leaves embeddings whole) are
+    normed apart, since torch will not mix the two in one norm.
     """
     import torch.distributed as dist
 
     grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, 2.0)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
+    sharded = [g for g in grads if hasattr(g, "full_tensor")]
+    plain = [g for g in grads if not hasattr(g, "full_tensor")]
+    squares = torch.zeros((), dtype=torch.float32)
+    if sharded:
+        squares = squares + torch.nn.utils.get_total_norm(sharded, 2.0).full_tensor().cpu() ** 2
+    if plain:
+        squares = squares + torch.nn.utils.get_total_norm(plain, 2.0).float().cpu() ** 2
     if pp_group is not None:
-        norm = norm ** 2
-        dist.all_reduce(norm, group=pp_group)
-        norm = norm ** 0.5
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return float(norm)
+        device = grads[0].device if grads else torch.device("cpu")
+        squares = squares.to(device)
+        dist.all_reduce(squares, group=pp_group)
+    norm = float(squares) ** 0.5
+    coef = min(1.0, max_norm / (norm + 1e-6))
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return norm
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer):
