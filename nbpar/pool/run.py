@@ -120,7 +120,9 @@ class Run:
         res = self._results
         last = res[self.ranks[-1]]
         ranks = [{"rank": r, **{k: res[r][k] for k in
-                                ("param_bytes", "grad_bytes", "optim_bytes", "peak_bytes")}}
+                                ("param_bytes", "grad_bytes", "optim_bytes", "peak_bytes")},
+                  **{k: res[r].get(k) for k in ("comm_bytes", "comm_bytes_by_op",
+                                                "activation_bytes", "process_peak_bytes")}}
                  for r in self.ranks]
         comm = [res[r]["comm_fraction"] for r in self.ranks if res[r]["comm_fraction"] is not None]
         bubbles = [res[r]["bubble_fraction"] for r in self.ranks
