@@ -1,10 +1,11 @@
 """One results file per benchmark: what was measured, where, when, and how much it moved.
 
-Every benchmark ends with `write(name, ...)`, which writes ``results/<name>.json``:
+Every benchmark collects its figures in a `Recorder` and ends with ``save()``, which
+writes ``results/<name>.json``:
 
     {"name", "title", "method", "date" (UTC ISO), "cpu_model", "cores", "torch",
      "load_avg": {"start", "end"} (1-minute load average of the machine),
-     "repeats", "config", "notes",
+     "seconds" (the benchmark's run time), "repeats", "config", "notes",
      "figures": [{"label", "unit", "median", "min", "max", "n", "values", "target",
                   "meets"}],
      "rows": [raw measurements, one per repeat or case]}
@@ -21,6 +22,8 @@ import math
 import operator
 import os
 import statistics
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -65,16 +68,22 @@ class Recorder:
                 "seconds": round(time.monotonic() - self.started, 1),
                 "repeats": self.repeats, "config": self.config, "notes": self.notes,
                 "figures": self.figures, "rows": self.rows}
-        return write(data, root)
+        try:
+            return write(data, root)
+        except ValueError:  # keep what was measured, to see what went wrong
+            kept = Path(tempfile.gettempdir()) / f"{self.name}.rejected.json"
+            kept.write_text(json.dumps(data, indent=1), encoding="utf-8")
+            print(f"results refused; the data is in {kept}", file=sys.stderr)
+            raise
 
 
 def spread(values, digits: int = 4) -> dict:
     """Median, min, max and count of ``values``, rounded to ``digits`` significant."""
-    vals = [_round(float(v), digits) for v in values]  # the file holds these: the median
-    if not vals:                                       # is recomputed from them exactly
+    vals = [_round(float(v), digits) for v in values]  # the file holds these, and the
+    if not vals:                                       # median is exactly theirs
         raise ValueError("a figure needs at least one value")
-    return {"median": _round(statistics.median(vals), digits), "min": min(vals),
-            "max": max(vals), "n": len(vals), "values": vals}
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals),
+            "n": len(vals), "values": vals}
 
 
 def _round(value: float, digits: int) -> float:
@@ -122,8 +131,7 @@ def problems(data: dict) -> list[str]:
             out.append(f"{name}: figure {label!r}: min/max/n disagree with its values")
         elif not fig["min"] <= fig["median"] <= fig["max"]:
             out.append(f"{name}: figure {label!r}: median/min/max out of order")
-        elif not math.isclose(statistics.median(fig["values"]), fig["median"],
-                              rel_tol=1e-3, abs_tol=1e-9):  # 4 significant digits
+        elif not math.isclose(statistics.median(vals), fig["median"], rel_tol=1e-9):
             out.append(f"{name}: figure {label!r}: median is not the median of its values")
         if fig["meets"] != meets(fig["median"], fig["target"]):
             out.append(f"{name}: figure {label!r}: 'meets' disagrees with its target")
