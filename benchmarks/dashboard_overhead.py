@@ -1,6 +1,6 @@
 """A run's wall time with the live dashboard following it vs not, in pairs.
 
-    python benchmarks/dashboard_overhead.py --steps 40 --pairs 6
+    python benchmarks/dashboard_overhead.py --steps 30 --pairs 6
 
 One pool, warmed with a 2-step run each way. Each pair times ``pool.train(cfg)`` of
 N steps from the call until ``result()`` returns, once with the dashboard following
@@ -46,7 +46,7 @@ def timed(pool, args, steps: int, dashboard: bool) -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=30)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--pairs", type=int, default=6)
     args = p.parse_args()

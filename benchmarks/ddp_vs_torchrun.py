@@ -1,6 +1,6 @@
 """nbpar DDP vs a plain torchrun script: wall time of the same N steps, in pairs.
 
-    python benchmarks/ddp_vs_torchrun.py --engines 2 --steps 40 --pairs 6
+    python benchmarks/ddp_vs_torchrun.py --engines 2 --steps 30 --pairs 6
 
 One pair: start a pool and warm it with a 2-step run (engine-side modules imported,
 as for any run after the first), time ``pool.train(cfg)`` of N steps from the call
@@ -69,7 +69,7 @@ def torchrun_side(args) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engines", type=int, default=2)
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=30)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--model", default="tiny_gpt")
     p.add_argument("--pairs", type=int, default=6)

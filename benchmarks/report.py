@@ -62,7 +62,8 @@ def rows(name: str, data: dict | None) -> list[str]:
             op, bound = fig["target"].split()
             target = f"{op} {number(float(bound), u)}: " + \
                 ("met" if fig["meets"] else "**not met**")
-        out.append(f"| `{name}.py` | {fig['label']} | {number(fig['median'], u)} | "
+        label = fig["label"].replace("|", "\\|")  # a bar would end the table cell
+        out.append(f"| `{name}.py` | {label} | {number(fig['median'], u)} | "
                    f"{number(fig['min'], u)}–{number(fig['max'], u)} ({fig['n']}) | {target} | "
                    f"{where(data)} |")
     return out
@@ -86,7 +87,8 @@ def render(section: str, results: dict[str, dict]) -> str:
             lines.append(f"- `{name}.py`: not measured yet ({why_missing(name)}).")
             continue
         notes = f" ({data['notes']})" if data.get("notes") else ""
-        lines.append(f"- `{name}.py`, {data['repeats']} repeats{notes}: {data['method']}")
+        times = f"{data['repeats']} repeat{'s' if data['repeats'] != 1 else ''}"
+        lines.append(f"- `{name}.py`, {times}{notes}: {data['method']}")
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,158 @@
+"""The README's performance tables are what benchmarks/results/*.json say (no pools).
+
+Every results file carries its date, CPU, cores, torch version, load, repeats and,
+per figure, a median with its spread; `benchmarks/report.py` writes the tables
+between the README's bench markers, and these tests fail when the two disagree.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCH))
+report = importlib.import_module("report")
+results = importlib.import_module("results")
+
+HELPERS = {"results", "report", "plain_ddp"}  # not benchmarks of their own
+SIDE_BY_SIDE = ("ddp_vs_torchrun", "dashboard_overhead")
+
+
+@pytest.fixture
+def copied(tmp_path):
+    """README.md and results/ copied to tmp_path: (readme, results dir)."""
+    readme = tmp_path / "README.md"
+    shutil.copy(ROOT / "README.md", readme)
+    root = shutil.copytree(BENCH / "results", tmp_path / "results")
+    return readme, root
+
+
+def edit(path: Path, change) -> None:
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def test_every_results_file_is_complete():
+    found = results.read_all()
+    assert found, "no results files in benchmarks/results"
+    for name, data in found.items():
+        assert data["name"] == name
+        assert results.problems(data) == [], name
+        assert data["cores"] >= 1 and data["cpu_model"] and data["torch"]
+
+
+def test_every_benchmark_is_in_the_readme_or_said_not_measured():
+    scripts = {p.stem for p in BENCH.glob("*.py")} - HELPERS
+    listed = {n for names in report.SECTIONS.values() for n in names}
+    assert scripts == listed
+    assert set(report.NOT_MEASURED) <= listed
+    have = set(results.read_all())
+    assert listed - set(report.NOT_MEASURED) <= have, "benchmarks without a results file"
+
+
+def test_readme_tables_are_generated_from_the_results():
+    assert report.check() == [], "run `make bench-report`"
+
+
+@pytest.mark.parametrize("name", SIDE_BY_SIDE)
+def test_side_by_side_ratios_are_medians_of_alternated_pairs(name):
+    data = results.read_all()[name]
+    assert data["repeats"] >= 5
+    assert data["figures"][0]["unit"] == "x" and data["figures"][0]["n"] == data["repeats"]
+    firsts = [row["first"] for row in data["rows"]]
+    assert len(set(firsts)) == 2 and all(a != b for a, b in zip(firsts, firsts[1:]))
+
+
+def test_generator_catches_and_fixes_a_disagreement(copied):
+    readme, root = copied
+    before = readme.read_text()
+    assert report.check(readme, root) == []
+
+    def slower(data):
+        fig = data["figures"][0]
+        fig["values"] = [v * 2 for v in fig["values"]]
+        fig.update(results.spread(fig["values"]))
+        fig["meets"] = results.meets(fig["median"], fig["target"])
+
+    edit(root / "ddp_vs_torchrun.json", slower)
+    found = report.check(readme, root)
+    assert found and "'training' differs" in found[0]
+    assert report.main(["--check", "--readme", str(readme), "--results", str(root)]) == 1
+    assert report.main(["--readme", str(readme), "--results", str(root)]) == 0
+    assert report.check(readme, root) == []
+    after = readme.read_text()
+    assert after != before
+    # only the text between the markers changed
+    outside = report.MARKER.sub(lambda m: m.group(1) + m.group(4), after)
+    assert outside == report.MARKER.sub(lambda m: m.group(1) + m.group(4), before)
+
+
+def test_a_hand_edited_table_is_caught(copied):
+    readme, root = copied
+    text = readme.read_text()
+    fig = results.read_all(root)["ddp_vs_torchrun"]["figures"][0]
+    cell = f"| {report.number(fig['median'], fig['unit'])} |"
+    assert cell in text
+    readme.write_text(text.replace(cell, "| 123.4x |", 1))
+    assert any("differs" in f for f in report.check(readme, root))
+
+
+@pytest.mark.parametrize("field", ["date", "cpu_model", "cores", "torch", "repeats", "figures"])
+def test_a_results_file_without_a_required_field_fails(copied, field):
+    readme, root = copied
+    edit(root / "scaling.json", lambda data: data.pop(field))
+    found = report.check(readme, root)
+    assert any(f"missing field {field!r}" in f for f in found)
+    before = readme.read_text()
+    assert report.main(["--readme", str(readme), "--results", str(root)]) == 1
+    assert readme.read_text() == before, "a broken results file must not be written out"
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda f: f.update(median=f["max"] * 2), "median/min/max"),
+    (lambda f: f.update(max=f["max"] + 1), "min/max/n"),
+    (lambda f: f.update(n=f["n"] + 1), "min/max/n"),
+    (lambda f: f.pop("values"), "lacks"),
+    (lambda f: f.update(meets=not f["meets"]), "'meets'"),
+])
+def test_a_figure_that_disagrees_with_its_values_fails(copied, change, words):
+    _, root = copied
+    data = results.read_all(root)["ddp_vs_torchrun"]
+    change(data["figures"][0])
+    assert any(words in p for p in results.problems(data))
+
+
+def test_median_is_checked_against_the_values():
+    data = results.read_all()["pipeline_bubble"]
+    fig = data["figures"][0]
+    fig["values"] = sorted(fig["values"])
+    fig["values"][-1] = fig["max"] = fig["values"][-1] + 10  # max moves, median must not
+    assert results.problems(data) == []
+    fig["median"] = fig["max"]
+    assert any("median is not the median" in p for p in results.problems(data))
+
+
+def test_targets_are_judged_on_the_median():
+    assert results.meets(1.04, "<= 1.05") and not results.meets(1.06, "<= 1.05")
+    assert results.meets(0.9, "< 1") and not results.meets(1.0, "< 1")
+    assert results.meets(2, ">= 2") and results.meets(0, None) is None
+    with pytest.raises(ValueError):
+        results.meets(1.0, "about 1")
+    fig = results.spread([3.0, 1.0, 2.0, 10.0])
+    assert (fig["median"], fig["min"], fig["max"], fig["n"]) == (2.5, 1.0, 10.0, 4)
+
+
+def test_generated_rows_have_six_cells():
+    text = (ROOT / "README.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| `")
+            and any(line.startswith(f"| `{n}.py`") for n in results.read_all())]
+    assert rows
+    for line in rows:
+        assert line.replace("\\|", "").count("|") == 7, line
