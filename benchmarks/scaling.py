@@ -9,7 +9,9 @@ split between compute and communication change, not a speed-up.
 Each round starts a fresh pool per engine count (the order reverses between rounds)
 and trains tiny_gpt for ``--steps`` steps at a global batch of 16 (1 engine: strategy
 single); a run's figures are rank 0's median tokens/s and its mean share of the step
-spent in communication, steps 6 on.
+spent in communication, steps 6 on. Threads per engine are nbpar's default (the
+host's cores shared out between its engines: 2, 1 and 1 here), recorded per run; an
+engine with 2 threads suffers most when other work keeps the cores busy.
 
 Writes results/scaling.json.
 """
@@ -24,13 +26,21 @@ ENGINES = (1, 2, 4)
 GLOBAL_BATCH = 16
 
 
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def one(engines: int, steps: int) -> dict:
     with nbpar.Pool(engines) as pool:
         strategy = "single" if engines == 1 else "ddp"
         run = pool.train(nbpar.TrainConfig(model="tiny_gpt", strategy=strategy, steps=steps,
                                            micro_batch=GLOBAL_BATCH // engines))
         hist = run.per_rank()[0]["history"][5:]
-    return {"step_time_s": statistics.median(r["step_time_s"] for r in hist),
+        threads = pool.client[pool.engine_id(0)].apply_sync(_threads)
+    return {"torch_threads": threads,
+            "step_time_s": statistics.median(r["step_time_s"] for r in hist),
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in hist),
             "comm_fraction": statistics.fmean(r["comm_s"] / r["step_time_s"] for r in hist)}
 
