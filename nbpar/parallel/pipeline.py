@@ -22,7 +22,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-from nbpar.config import check_pipeline_schedule
+from nbpar.parallel.mesh import check_pipeline_schedule
 from nbpar.train import timeline as _timeline
 
 from . import autocast_dtype as precision_dtype

@@ -9,14 +9,12 @@ column-wise and ``wo``/``w2`` row-wise (Megatron-LM, Shoeybi et al. 2019).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:  # sizes only; config.py checks resumes with a model (no cycle at run time)
-    from nbpar.config import GPTConfig
+# Sizes arrive as a `nbpar.config.GPTConfig`; it is not imported here, since the config
+# builds a model to check a resume (an import would be a cycle).
 
 
 class SimpleCNN(nn.Module):
@@ -38,7 +36,7 @@ class Attention(nn.Module):
     """Causal multi-head self-attention; the head count is read off the tensor,
     so a tensor-parallel shard holding fewer heads runs the same code."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg):
         super().__init__()
         d = cfg.d_model
         self.head_dim = d // cfg.n_heads
@@ -59,7 +57,7 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """Position-wise MLP: up-projection, GELU, down-projection."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg):
         super().__init__()
         d = cfg.d_model
         self.w1 = nn.Linear(d, cfg.ffn_mult * d)  # up
@@ -73,7 +71,7 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + ffn(norm(x))."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg):
         super().__init__()
         self.attn_norm = nn.LayerNorm(cfg.d_model)
         self.attn = Attention(cfg)
@@ -88,7 +86,7 @@ class Block(nn.Module):
 class TinyGPT(nn.Module):
     """Decoder-only transformer over byte tokens; any part may be None (a stage)."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
