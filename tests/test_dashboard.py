@@ -19,7 +19,7 @@ from tests.viz_fakes import MB, FakeRun, history
 def live(run) -> Dashboard:
     """A dashboard whose browser chart exists (as when a notebook shows it)."""
     dash = Dashboard(run)
-    assert dash.widget.children[1] is dash.chart
+    assert dash.widget.children[-1] is dash.chart
     return dash
 
 
@@ -33,13 +33,14 @@ def _col(chart, pid, i=0):
 
 def test_before_the_first_step_every_panel_waits_without_axes():
     dash = live(FakeRun())
-    chunk = dash.chart.chunk
-    assert chunk["reset"] is True and chunk["x"] == []
-    assert chunk["spec"]["waiting"] == WAITING == "waiting for the first step"
-    assert [p["id"] for p in chunk["spec"]["panels"]] == ["loss", "step", "throughput",
-                                                          "states", "process"]
-    assert all(p["series"] == [] for p in chunk["spec"]["panels"])  # nothing to draw yet
-    assert dash._label.value == "starting… 0/20 steps"
+    chunk, spec = dash.chart.chunk, dash.chart.spec
+    assert dash.chart.x == [] and chunk["x"] == []
+    assert spec["waiting"] == WAITING == "waiting for the first step"
+    assert [p["id"] for p in spec["panels"]] == ["loss", "step", "throughput", "states",
+                                                 "process"]
+    assert all(p["series"] == [] for p in spec["panels"])  # nothing to draw yet
+    assert dash.status == {"text": "starting… 0/20 steps", "value": 0, "max": 20, "style": ""}
+    assert chunk["status"] == dash.status  # the progress line travels with the data
 
 
 def test_only_steps_every_rank_finished_are_sent_and_only_once():
@@ -58,7 +59,7 @@ def test_only_steps_every_rank_finished_are_sent_and_only_once():
 def test_chart_receives_only_the_new_points_and_resyncs_on_request():
     run = FakeRun(history=history(3))
     dash = Dashboard(run)
-    chart = dash.widget.children[1]
+    chart = dash.widget.children[-1]
     assert chart is dash.chart and chart.chunk["x"] == [0, 1, 2] and chart.points("loss") == 3
     seq = chart.seq
     run.history = history(5)
@@ -166,13 +167,13 @@ def test_progress_bar_label_and_stop():
     run = FakeRun(history=history(3))
     dash = live(run)
     assert dash.text.startswith("step 3/20 (15%)") and "ETA" in dash.text
-    assert dash._bar.value == 3 and dash._bar.max == 20 and dash._label.value == dash.text
+    assert dash.status == {"text": dash.text, "value": 3, "max": 20, "style": ""}
     dash._stop_button.click()
     assert run.stops == 1 and dash._stop_button.disabled
     run.history, run.finished = history(8), True
     dash.update()
     assert dash.text.startswith("stopped after 8/20 steps")
-    assert dash._bar.bar_style == "warning"
+    assert dash.status["style"] == "warning" and dash.chart.chunk["status"] == dash.status
     info = dash.progress()
     assert info["s_per_step"] == pytest.approx(0.1) and info["eta_s"] is None
 

@@ -2,7 +2,7 @@
 
 `Dashboard(run)` reads only ``run.history`` (records already on the client, no engine
 round trip). While a run goes, a thread sends the browser the steps every rank has
-finished since its last look (`nbpar.view.live.LiveFeed`), at most every ``poll_s``,
+finished since its last look (`nbpar.view.live.LiveFeed`), every ``poll_s`` (0.8 s),
 and the browser draws them (`nbpar.view.livechart.LiveChart`, uPlot): the kernel
 renders no image, so busy engines cannot starve the figure. ``figure``, ``png()`` and
 ``save()`` give the same state as a static matplotlib figure (for files and reports).
@@ -42,24 +42,33 @@ def seconds_per_step(history: list[dict], window: int = 10, groups=None) -> floa
 
 #: Largest share of wall time spent rendering a PNG where no widget can be shown.
 RENDER_BUDGET = 0.03
+#: Largest share of one core the follow thread spends reading the history (its own CPU
+#: time, not the wall time, which waits for busy cores): a look at a run of 1500 steps
+#: on 2 ranks costs ~3 ms, so it looks every ``poll_s``; a much longer run is looked at
+#: less often, but at least every ``MAX_WAIT_S``.
+UPDATE_BUDGET = 0.02
+MAX_WAIT_S = 1.0
 
 
 class Dashboard:
     """Live view of one `Run`; ``update()`` reads the history and sends what is new."""
 
-    def __init__(self, run, *, poll_s: float = 0.5, stop_button: bool = True,
+    def __init__(self, run, *, poll_s: float = 0.8, stop_button: bool = True, chart=None,
                  figsize=(10, 6.5), dpi: int = 80):
+        """``chart``: a `LiveChart` already on the page to draw this run in (the
+        StrategyPicker's, so a run's first step does not wait for a new view to load)."""
         self.run, self.poll_s, self.stop_button = run, poll_s, stop_button
         self.figsize, self.dpi = figsize, dpi
         history = as_history(run)
         self.ranks = list(getattr(run, "ranks", None) or sorted({r["rank"] for r in history}))
         self.text = ""
         self.error: BaseException | None = None
-        self.chart = self.feed = None   # the browser's panels, made with the widget
+        self.chart, self.feed = None, None  # the browser's panels, made with the widget
+        self._reuse = chart
         self._figure = self._panels = None
         self._seen = None               # (len(history), done) last read
         self._widget = self._handle = self._thread = None
-        self._rendered_at = self._render_s = 0.0
+        self._rendered_at = self._render_s = self._update_s = 0.0
         self._stop = threading.Event()
         self._lock = threading.Lock()   # update() runs in the follow thread and in cells
         self._on_finish: list = []
@@ -114,11 +123,14 @@ class Dashboard:
             groups = by_rank(history)
             info = self.progress(history, done, groups)
             self.text = info["text"]
-            self._show_progress(info, done)
-            if self.chart is not None:
+            if self.chart is not None:  # one message to the page: new steps and progress
                 steps, cols, spec = self.feed.read(history)
-                if steps or spec is not None:
-                    self.chart.push(steps, cols, self.feed.notes(), spec=spec)
+                status = self._status(info, done)
+                if steps or spec is not None or status != self.chart.status:
+                    self.chart.push(steps, cols, self.feed.notes() if steps else None,
+                                    spec=spec, times=self.feed.times, status=status)
+                if done and not self._stop_button.disabled:
+                    self._stop_button.disabled = True
             if self._handle is not None and (force or done or self._png_due()):
                 self._render_png()
         return changed
@@ -175,36 +187,34 @@ class Dashboard:
         self._handle.update(Image(png))
 
     # -- widget ------------------------------------------------------------------
-    def _show_progress(self, info: dict, done: bool) -> None:
-        if self._widget is None:
-            return
-        self._bar.max = info["total"] or max(info["steps"], 1)
-        self._bar.value = info["steps"]
-        self._bar.bar_style = ("danger" if self.error else "success" if done and
-                               info["fraction"] in (None, 1.0) else "warning" if done else "")
-        self._label.value = self.text if self.error is None else \
-            f"{self.text} · error: {self.error}"
-        self._stop_button.disabled = done
-        if done:
-            self._stop_button.description = "Stop"
+    def _status(self, info: dict, done: bool) -> dict:
+        """The progress line the page draws above the panels."""
+        style = ("danger" if self.error else "success" if done and
+                 info["fraction"] in (None, 1.0) else "warning" if done else "")
+        text = self.text if self.error is None else f"{self.text} · error: {self.error}"
+        return {"text": text, "value": info["steps"],
+                "max": info["total"] or max(info["steps"], 1), "style": style}
 
     @property
     def widget(self):
-        """An ipywidgets VBox: progress bar, label and Stop above the live panels."""
+        """An ipywidgets VBox: Stop above the live chart (progress line and panels)."""
         if self._widget is None:
             import ipywidgets as w
 
             from nbpar.view.live import LiveFeed, waiting_spec
             from nbpar.view.livechart import LiveChart
 
-            self.feed, self.chart = LiveFeed(self.ranks), LiveChart(waiting_spec())
-            self._bar = w.FloatProgress(min=0, max=1, value=0, layout=w.Layout(width="35%"))
-            self._label = w.Label(self.text)
+            self.feed = LiveFeed(self.ranks)
+            if self._reuse is not None:
+                self.chart = self._reuse
+                self.chart.reset(waiting_spec())
+            else:
+                self.chart = LiveChart(waiting_spec())
             self._stop_button = w.Button(description="Stop", icon="stop",
                                          tooltip="stop every rank after its current step")
             self._stop_button.on_click(self._stop_clicked)
-            row = [self._bar, self._label] + ([self._stop_button] if self.stop_button else [])
-            self._widget = w.VBox([w.HBox(row), self.chart])
+            self._widget = w.VBox(([self._stop_button] if self.stop_button else [])
+                                  + [self.chart])
             self._widget.add_class("nbpar-dashboard")
             self.update(force=True)
         return self._widget
@@ -213,6 +223,11 @@ class Dashboard:
         self._stop_button.disabled = True
         self._stop_button.description = "stopping…"
         self.run.stop()
+
+    @property
+    def status(self) -> dict | None:
+        """The progress line as the page shows it ({"text", "value", "max", "style"})."""
+        return None if self.chart is None else self.chart.status
 
     def _ipython_display_(self):
         from IPython.display import Image, display
@@ -233,8 +248,10 @@ class Dashboard:
         """Update until the run is done (or `stop_following`), then a final update."""
         poll_s = self.poll_s if poll_s is None else poll_s
         while not self._done() and not self._stop.is_set():
+            start = time.thread_time()
             self.update()
-            self._stop.wait(poll_s)
+            self._update_s = time.thread_time() - start
+            self._stop.wait(min(MAX_WAIT_S, max(poll_s, self._update_s / UPDATE_BUDGET)))
         self.update(force=True)
         self._finish()
         return self

@@ -53,8 +53,10 @@ def global_loss(recs: list[dict]):
     return None
 
 
-def _series(label: str, i: int, **style) -> dict:
-    return {"label": label, "color": rank_color(i), **style}
+def _series(label: str, i: int, light: bool = False, **style) -> dict:
+    """Rank ``i``'s colour; ``light``: half transparent (solid lines: dashes of a long
+    path cost the browser far more to draw)."""
+    return {"label": label, "color": rank_color(i) + ("80" if light else ""), **style}
 
 
 def build_spec(ranks: list[int], first: list[dict]) -> dict:
@@ -66,10 +68,10 @@ def build_spec(ranks: list[int], first: list[dict]) -> dict:
     device = memory_key(first[0]) == "device_allocated_bytes"
     loss = [{"label": "loss (mean over ranks)", "color": "#222222", "width": 2.5}]
     if local:
-        loss += [_series(f"rank {r} own batch", i, width=1, dash=[4, 3])
+        loss += [_series(f"rank {r} own batch", i, width=1, light=True)
                  for i, r in enumerate(ranks)]
     step = [_series(f"rank {r} step", i) for i, r in enumerate(ranks)]
-    step += [_series(f"rank {r} comm", i, width=1.2, dash=[5, 4]) for i, r in enumerate(ranks)]
+    step += [_series(f"rank {r} comm", i, width=1, light=True) for i, r in enumerate(ranks)]
     unit = "tokens/s" if tokens else "samples/s"
     mem = "device memory per rank (allocated)" if device else "process memory per rank (RSS)"
     panels = [
@@ -99,6 +101,7 @@ class LiveFeed:
         self._recent = {r: deque(maxlen=SPLIT_WINDOW) for r in self.ranks}
         self._peak = dict.fromkeys(self.ranks, 0)
         self.latest: dict[int, dict] = {}
+        self.times: tuple | None = None  # (first, latest) record time read
 
     def _new_records(self, history: list[dict]) -> list[dict]:
         out = [rec for rec in history if rec["rank"] in self._last
@@ -142,6 +145,9 @@ class LiveFeed:
                 col.append(value)
         for rank, rec in zip(self.ranks, recs):
             self.latest[rank] = rec
+            if rec.get("time") is not None:
+                first = self.times[0] if self.times else rec["time"]
+                self.times = (first, max(rec["time"], self.times[1] if self.times else 0))
             self._recent[rank].append(rec)
             self._peak[rank] = max(self._peak[rank], rec.get(spec["memory_key"]) or 0,
                                    rec.get("peak_bytes") or 0)
@@ -162,13 +168,14 @@ class LiveFeed:
             f"rank {r}: params {format_bytes(self.latest[r].get('param_bytes') or 0)}, "
             f"grads {format_bytes(self.latest[r].get('grad_bytes') or 0)}, "
             f"optimizer {format_bytes(self.latest[r].get('optim_bytes') or 0)}" for r in ranks)
-        loss = ("thick: the loss averaged over ranks; dashed: each rank's loss on its own "
+        loss = ("dark: the loss averaged over ranks; light: each rank's loss on its own "
                 "micro-batches" if spec["local_loss"] else
                 "the loss averaged over ranks (every rank reports this same value)")
         rate = self.latest[ranks[-1]].get(spec["throughput_key"])
         return {
             "loss": loss,
-            "step": f"communication, last {SPLIT_WINDOW} steps: {comm}"
+            "step": f"dark: the step, light: its communication; last {SPLIT_WINDOW} steps "
+                    f"communicating: {comm}"
                     + (f" (above {COMM_HEALTH:.0%}: worth a look)" if busy else ""),
             "throughput": "the whole run's rate, set by the slowest rank"
                           + (f"; latest {rate:,.0f} {spec['throughput_key'][:-6]}/s"

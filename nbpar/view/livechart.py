@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -51,6 +52,8 @@ class LiveChart(anywidget.AnyWidget):
         self.cols: dict[str, list[list]] = {}
         self.notes: dict[str, str] = {}
         self.seq = -1
+        self.times: tuple | None = None
+        self.status: dict | None = None
         self.sent = 0  # chunks sent (tests and benchmarks read it)
         self.on_msg(self._on_msg)
         self._send_all()
@@ -61,10 +64,15 @@ class LiveChart(anywidget.AnyWidget):
         return sum(any(c[i] is not None for c in cols) for i in range(len(self.x)))
 
     def push(self, x: list[int], cols: dict[str, list[list]], notes: dict | None = None,
-             spec: dict | None = None) -> None:
+             spec: dict | None = None, times: tuple | None = None,
+             status: dict | None = None) -> None:
         """Append steps ``x`` with one column of values per series of each panel
         (``cols[panel][series][i]`` belongs to ``x[i]``); a new ``spec`` replaces the
-        panels (sent once, with the first data)."""
+        panels (sent once, with the first data). ``times``: (first, latest) wall-clock
+        time of the records drawn; the browser shows them as ``data-first-time`` and
+        ``data-last-time`` (how far behind the engines the figure is), and the time this
+        chunk left the kernel as ``data-sent-time``. ``status``: the progress line above
+        the panels ({"text", "value", "max", "style"}), sent in the same message."""
         with self._lock:
             if spec is not None:
                 self.spec = spec
@@ -84,11 +92,21 @@ class LiveChart(anywidget.AnyWidget):
             self.x.extend(x)
             self.notes.update(notes or {})
             self.seq += 1
-            chunk = {"seq": self.seq, "x": list(x), "cols": chunk_cols, "notes": notes or {}}
+            self.times = times or self.times
+            self.status = status or self.status
+            chunk = {"seq": self.seq, "x": list(x), "cols": chunk_cols, "notes": notes or {},
+                     "times": self.times, "status": self.status, "sent": time.time()}
             if spec is not None:
                 chunk["spec"] = spec
             self.chunk = chunk
             self.sent += 1
+
+    def reset(self, spec: dict) -> None:
+        """Start over with ``spec`` and no data (a new run in the same view)."""
+        with self._lock:
+            self.spec, self.x, self.cols, self.notes, self.times = spec, [], {}, {}, None
+            self.status = None
+        self._send_all()
 
     def _send_all(self) -> None:
         """One chunk with everything (reset), for a new or reloaded view."""
@@ -96,7 +114,8 @@ class LiveChart(anywidget.AnyWidget):
             self.seq += 1
             self.chunk = {"seq": self.seq, "reset": True, "spec": self.spec, "x": list(self.x),
                           "cols": {k: [list(c) for c in v] for k, v in self.cols.items()},
-                          "notes": dict(self.notes)}
+                          "notes": dict(self.notes), "times": self.times,
+                          "status": self.status, "sent": time.time()}
             self.sent += 1
 
     def _on_msg(self, _widget, content, _buffers) -> None:

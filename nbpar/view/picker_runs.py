@@ -38,4 +38,5 @@ def runs_table(runs: list) -> str:
         + "".join(f"<td>{html.escape(str(v))}</td>" for v in row.values()) + "</tr>"
         for i, row in enumerate(rows))
     return (f"<div class='nbpar-runs'><b>runs of this picker</b>"
-            f"<table><tr>{head}</tr>{body}</table></div>")
+            f"<style>.nbpar-runs td, .nbpar-runs th {{padding: 1px 10px 1px 0; "
+            f"text-align: left}}</style><table><tr>{head}</tr>{body}</table></div>")

@@ -82,12 +82,23 @@ class StrategyPicker:
                                     layout=w.Layout(display="none"))
         self.runs_list = w.HTML()
         self.output = w.Output()
+        # the runs' chart, on the page before the first run (hidden), so a run's first
+        # step is drawn as soon as it is done, not after the chart's code has loaded
+        from nbpar.view.live import waiting_spec
+        from nbpar.view.livechart import LiveChart
+
+        self.chart = LiveChart(waiting_spec())
+        for widget, name in ((self.batch_label, "batch"), (self.explanation, "explanation"),
+                             (self.runs_list, "runs-list"), (self.button, "run"),
+                             (self.stop_button, "stop")):
+            widget.add_class(f"nbpar-{name}")
         columns = [w.VBox([f[k] for k in ("model", "strategy", "backend", "schedule")]),
                    w.VBox([f[k] for k in ("dp", "tp", "pp", "precision", "offload")]),
                    w.VBox([f[k] for k in R.COUNTS])]
         self.widget = w.VBox([w.HBox(columns), self.batch_label,
                               w.HBox([self.button, self.stop_button, self.explanation]),
-                              self.runs_list, self.output])
+                              self.runs_list, self.output,
+                              w.Box([self.chart], layout=w.Layout(display="none"))])
         self.widget.add_class("nbpar-picker")
         self.button.on_click(self._launch)
         self.stop_button.on_click(self._stop)
@@ -235,7 +246,8 @@ class StrategyPicker:
             return None
         self.run = run
         self.runs.append(run)
-        self.dashboard = Dashboard(run, stop_button=False).on_finish(self._finished)
+        self.dashboard = Dashboard(run, stop_button=False, chart=self.chart) \
+            .on_finish(self._finished)
         self._show_runs()
         self.output.clear_output(wait=True)
         with self.output:

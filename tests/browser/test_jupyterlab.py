@@ -153,7 +153,7 @@ def test_notebook_renders_in_jupyterlab(lab, browser, name):
             assert not blank, f"dropdowns showing no choice (value not in options?): {blank}"
         if expect["plot"]:
             page.wait_for_function(IMAGES_SHOWN, timeout=120_000, polling=1000)
-            failed = outputs.locator(".widget-label", has_text="error:")
+            failed = outputs.locator(".nbpar-progress-text", has_text="error:")
             assert failed.count() == 0, f"dashboard: {failed.all_inner_texts()}"
         broken = page.locator("text=Error displaying widget").count()
         assert broken == 0, f"{name}: {broken} widget(s) failed to render"
