@@ -259,8 +259,8 @@ class StrategyPicker:
         return run
 
     def _finished(self, _dashboard) -> None:
+        self._show_runs()  # the runs list is current before Run comes back
         self._set_running(False)
-        self._show_runs()
         self._refresh()
 
     def _show_runs(self) -> None:

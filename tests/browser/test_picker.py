@@ -114,15 +114,20 @@ def _run_stop_and_run_again(page, picker) -> None:
     expect(picker.run_button).to_be_disabled()
     page.locator(".nbpar-picker").screenshot(path=str(ARTIFACTS / "picker_running.png"))
     picker.stop_button.click()
-    expect(picker.run_button).to_have_text(re.compile("Run"), timeout=120_000)
+    expect(picker.run_button).to_have_text(re.compile(r"^\s*Run\s*$"), timeout=120_000)
     _ready(picker, "zero1")
     expect(picker.stop_button).to_be_hidden()
     rows = picker.runs()
     assert len(rows) == 1 and rows[0][1] == "ddp/torch tiny_gpt", rows
     assert rows[0][5] in ("stopped", "done"), rows  # a run can end before Stop lands
     picker.run_button.click()
-    expect(picker.run_button).to_have_text(re.compile("Run"), timeout=180_000)
+    # The button reads "Run" until the kernel takes the click: wait for the run to start
+    # before waiting for it to end.
+    expect(picker.run_button).to_have_text(re.compile("running..."), timeout=T)
+    expect(picker.run_button).to_have_text(re.compile(r"^\s*Run\s*$"), timeout=180_000)
     expect(picker.root.locator(".nbpar-runs-list tr")).to_have_count(3, timeout=T)
+    status = picker.root.locator(".nbpar-runs-list tr").nth(2).locator("td").nth(5)
+    expect(status).to_have_text("done", timeout=T)
     rows = picker.runs()
     assert [r[0] for r in rows] == ["picker.runs[0]", "picker.runs[1]"], rows
     assert rows[1][1:3] == ["zero1/torch tiny_gpt", "300/300"] and rows[1][5] == "done", rows
