@@ -1,6 +1,6 @@
 """nbpar: see distributed training work, cell by cell, from a notebook.
 
-Public API: Pool, TrainConfig, compare, estimate_memory, StrategyPicker, log.
+Public API: Pool, TrainConfig, compare, estimate_memory, StrategyPicker, log, simulate.
 Importing nbpar is cheap: torch and ipyparallel load when first needed, and
 nothing starts processes or touches devices at import time.
 """
@@ -19,13 +19,16 @@ _LAZY = {
     "compare": ("nbpar.view.compare", "compare"),
     "StrategyPicker": ("nbpar.view.widgets", "StrategyPicker"),
     "log": ("nbpar.train.userlog", "log"),
+    # the package itself, callable: nbpar.simulate(cfg, world_size=N), nbpar.simulate.what_fits
+    "simulate": ("nbpar.simulate", None),
     "EngineDied": ("nbpar.errors", "EngineDied"),
     "DistTimeout": ("nbpar.errors", "DistTimeout"),
     "RankError": ("nbpar.errors", "RankError"),
     "PoolError": ("nbpar.errors", "PoolError"),
 }
 
-__all__ = ["Pool", "TrainConfig", "compare", "estimate_memory", "StrategyPicker", "log"]
+__all__ = ["Pool", "TrainConfig", "compare", "estimate_memory", "StrategyPicker", "log",
+           "simulate"]
 
 # Modules that moved when the package was grouped by where code runs (pool/: the kernel
 # drives engines, train/: inside the engines, parallel/: the strategies, view/: what
@@ -75,7 +78,8 @@ def __getattr__(name):
         import importlib
 
         module, attr = _LAZY[name]
-        value = getattr(importlib.import_module(module), attr)
+        value = importlib.import_module(module)
+        value = value if attr is None else getattr(value, attr)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'nbpar' has no attribute {name!r}")

@@ -243,6 +243,13 @@ def make_schedule(cfg, stages, loss_fn):
     return cls(stages[0], n_microbatches=cfg.grad_accum, loss_fn=loss_fn)
 
 
+def _to(module: nn.Module, device: torch.device) -> nn.Module:
+    """``module.to(device)`` unless it is there already: the fake tensors of a
+    simulated run (`nbpar.simulate`) cannot be moved, even onto their own device."""
+    p = next(module.parameters(), None)
+    return module if p is None or p.device == device else module.to(device)
+
+
 def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None, prepare=None,
                  runner_cls=PipelineRunner, **runner_kwargs) -> PipelineRunner:
     """Pipeline runner for ``model`` on ``mesh["pp"]`` with ``cfg.schedule``.
@@ -254,7 +261,7 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None, prepare=None,
     pp_size, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
     virtual = validate(cfg, pp_size, len(model.layers))
     device = torch.device(mesh.device_type)
-    chunks = [c.to(device) for c in split_stages(model, pp_rank, pp_size, virtual)]
+    chunks = [_to(c, device) for c in split_stages(model, pp_rank, pp_size, virtual)]
     if prepare is not None:
         chunks = [prepare(c) for c in chunks]
     pp_group = pp_mesh.get_group()

@@ -23,7 +23,8 @@ def tensor_bytes(tensors) -> int:
         if t is None or not isinstance(t, torch.Tensor):
             continue
         t = local_tensor(t)
-        key = (t.untyped_storage().data_ptr(), t.device)
+        # the storage's identity, not its address: fake tensors (nbpar.simulate) have none
+        key = t.untyped_storage()._cdata
         if key in seen or t.untyped_storage().nbytes() == 0:
             continue
         seen.add(key)

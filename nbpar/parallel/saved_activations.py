@@ -7,7 +7,7 @@ starts each micro-batch's backward early, so stage ``i`` holds at most ``p - i``
 
 Accounting, by micro-batch: ``torch.autograd.graph.saved_tensors_hooks`` sees
 every tensor autograd saves during a stage's forward (and, on the last stage,
-during the loss). Its storage bytes are added once (per storage ``data_ptr``)
+during the loss). Its storage bytes are added once (per storage identity)
 to that (stage, micro-batch)'s live total; parameter storages are not
 activations and are skipped. The total stays live until that micro-batch's
 backward finishes, when autograd frees the graph (``retain_graph=False``)
@@ -37,14 +37,14 @@ class SavedActivations:
     def reset(self) -> None:
         """Forget everything: call at the start of each step."""
         self._live: dict[tuple, int] = {}   # (stage, mb) -> bytes saved, not yet freed
-        self._owner: dict[int, tuple] = {}  # storage data_ptr -> (stage, mb) that counted it
+        self._owner: dict[int, tuple] = {}  # storage id -> (stage, mb) that counted it
         self._last: tuple | None = None     # key of the latest forward (the loss joins it)
         self.peak = 0
 
     def _pack(self, key: tuple, skip: set):
         def pack(t: torch.Tensor) -> torch.Tensor:
             storage = local_tensor(t).untyped_storage()
-            ptr, nbytes = storage.data_ptr(), storage.nbytes()
+            ptr, nbytes = storage._cdata, storage.nbytes()
             if nbytes and ptr not in skip and ptr not in self._owner:
                 self._owner[ptr] = key
                 self._live[key] = self._live.get(key, 0) + nbytes
@@ -57,7 +57,7 @@ class SavedActivations:
     def forward(self, stage: int, mb: int, params):
         """Count what autograd saves inside this block for (stage, mb)."""
         self._last = (stage, mb)
-        skip = {local_tensor(p).untyped_storage().data_ptr() for p in params}
+        skip = {local_tensor(p).untyped_storage()._cdata for p in params}
         with saved_tensors_hooks(self._pack(self._last, skip), lambda t: t):
             yield
 

@@ -1,0 +1,80 @@
+"""One simulated rank: build, warm up, measure one step, report what a real run reports.
+
+The figures have the keys of a real run's per-rank result (`nbpar.train.loop`):
+``param_bytes``, ``grad_bytes``, ``optim_bytes`` held after the step (the runner's own
+count), ``activation_bytes`` and ``peak_bytes`` from the same meter
+(`nbpar.train.memtrack.StepMemory`), ``comm_bytes`` and ``comm_bytes_by_op`` from
+`nbpar.train.comm.CommMeter`; plus what only a simulation splits out:
+``comm_buffer_bytes`` and ``temp_bytes`` at the peak (`nbpar.simulate.meter`).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def example_batch(cfg, model: nn.Module):
+    """One micro-batch of the shape the model trains on: token ids for language models
+    (targets the same shape), 32x32 images with labels for simple_cnn."""
+    b = cfg.micro_batch
+    if cfg.model == "simple_cnn":
+        return torch.randn(b, 3, 32, 32), torch.randint(0, 10, (b,))
+    emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if emb is None:
+        raise ValueError(f"model {cfg.model!r} takes no token ids (no nn.Embedding); "
+                         f"simulate knows the inputs of simple_cnn and language models")
+    tokens = torch.randint(0, emb.num_embeddings, (b, cfg.gpt.seq_len))
+    return tokens, tokens
+
+
+def failing_module(tb) -> str | None:
+    """The innermost nn.Module whose code was running when ``tb`` was raised."""
+    name = None
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, nn.Module):
+            name = type(owner).__name__
+        tb = tb.tb_next
+    return name
+
+
+def explain(err: Exception, what: str, model_name) -> ValueError:
+    """One line: which model, which step, which module, what went wrong."""
+    where = failing_module(err.__traceback__)
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return ValueError(f"model {model_name!r} cannot be {what} on fake tensors"
+                      + (f": in module {where}" if where else "")
+                      + f": {type(err).__name__}: {first}")
+
+
+def simulate_rank(cfg, dims, rank: int) -> dict:
+    """Figures of ``rank`` after a warm-up step and one measured step."""
+    from nbpar.simulate.meter import SimMemory
+    from nbpar.simulate.runners import make_runner
+    from nbpar.simulate.world import fake_rank
+    from nbpar.train.comm import CommMeter
+    from nbpar.train.metrics import step_peak_bytes
+    from nbpar.train.models import build_model
+
+    with fake_rank(rank, dims) as (mesh, _mode):
+        try:
+            model = build_model(cfg)
+        except Exception as err:
+            raise explain(err, "built", cfg.model) from None
+        runner = make_runner(model, cfg, mesh, rank)
+        runner.set_update_rule(cfg, None)
+        batches = [example_batch(cfg, model) for _ in range(cfg.grad_accum)]
+        try:
+            runner.train_step(batches)  # warm-up: optimizer state, FSDP's lazy init
+            with CommMeter() as comm, SimMemory(runner) as mem:
+                runner.train_step(batches)
+        except Exception as err:
+            raise explain(err, "trained", cfg.model) from None
+        if mem.error is not None:
+            raise ValueError(f"the memory meter could not follow this step: {mem.error}")
+        out = {"rank": rank, **runner.memory(), **mem.figures()}
+        out["peak_bytes"] = step_peak_bytes(out)
+        out.update(mem.breakdown(out["param_bytes"] + out["grad_bytes"] + out["optim_bytes"]))
+        out.update(comm_bytes=comm.total(), comm_bytes_by_op=comm.by_op())
+        runner.close()
+        return out

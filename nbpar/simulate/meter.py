@@ -1,0 +1,56 @@
+"""The memory meter of a real run, plus the communication buffers a simulated step holds.
+
+`SimMemory` is `nbpar.train.memtrack.StepMemory` (same peak, same activations, so a
+simulated rank and a real one are measured alike) that also follows the storages a
+collective reads or writes (FSDP2's all-gather outputs and reduce-scatter inputs, the
+flat gradient of an all-reduce, pipeline send/recv buffers) while they live, and
+remembers what the peak was made of.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from nbpar.train.memtrack import StepMemory, _storage
+
+COMM_NAMESPACES = ("c10d", "_c10d_functional")
+
+
+class SimMemory(StepMemory):
+    """StepMemory + ``comm_buffer_bytes`` (live collective buffers at the peak)."""
+
+    def __init__(self, runner):
+        self.comm_keys: set[int] = set()
+        self.comm = 0
+        self.at_peak = {"activations": 0, "comm": 0}
+        super().__init__(runner)
+
+    def _add(self, t, kind: str) -> None:
+        before = self.peak
+        super()._add(t, kind)
+        if self.peak > before:
+            self.at_peak = {"activations": self.saved, "comm": self.comm}
+
+    def _free(self, key: int) -> None:
+        if key in self.comm_keys:
+            self.comm_keys.discard(key)
+            self.comm -= self.kind.get(key, (0, ""))[0]
+        super()._free(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.error is None and func.namespace in COMM_NAMESPACES:
+            for t in tree_leaves((args, kwargs, out)):
+                st = _storage(t) if isinstance(t, torch.Tensor) else None
+                if st is not None and st._cdata in self.kind \
+                        and st._cdata not in self.comm_keys:
+                    self.comm_keys.add(st._cdata)
+                    self.comm += self.kind[st._cdata][0]
+        return out
+
+    def breakdown(self, states: int) -> dict:
+        """The peak split: activations and communication buffers live at that moment,
+        and temporaries = the rest beyond the model states (``states`` bytes)."""
+        acts, comm = self.at_peak["activations"], self.at_peak["comm"]
+        return {"comm_buffer_bytes": comm,
+                "temp_bytes": max(0, self.peak - states - acts - comm)}

@@ -1,0 +1,99 @@
+"""`simulate(cfg, world_size=N)`: what each rank of an N-rank run would hold and send.
+
+The config is checked as `pool.train` checks it (degrees that multiply to N, heads and
+widths tp divides, layers for pp stages), then one rank per role is simulated
+(`nbpar.simulate.roles`) on fake tensors (`nbpar.simulate.world`) with the strategy code
+of a real run (`nbpar.simulate.runners`).
+"""
+from __future__ import annotations
+
+import copy
+import time
+
+from nbpar.estimate import format_bytes
+
+GIB = 2 ** 30
+PRECISIONS = {"fp32": "fp32", "bf16": "bf16", "mixed": "bf16"}  # mixed = bf16 autocast
+
+
+def prepare(cfg, world_size: int):
+    """A validated copy of ``cfg`` for simulation and its ParallelDims; one-line errors."""
+    from nbpar.simulate.runners import check_simulable
+
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    cfg = copy.deepcopy(cfg)
+    if cfg.precision in PRECISIONS:
+        cfg.precision = PRECISIONS[cfg.precision]
+    # the clip norm is a number the step reads back; fake tensors have no numbers
+    cfg.grad_clip = 0.0
+    cfg.validate(world_size)
+    check_simulable(cfg)
+    return cfg, cfg.dims(world_size)
+
+
+class Simulation(dict):
+    """The result: ``{"config", "ranks": [...], "seconds"}`` (+ ``fits``, ``margin_bytes``)."""
+
+    def table(self) -> str:
+        """Per simulated rank, in GB: what it holds, its peak, what it sends per step."""
+        from nbpar.simulate.roles import describe
+
+        cfg = self["config"]
+        lines = [f"{cfg['strategy']} {cfg['model']} on {cfg['world_size']} ranks "
+                 f"(dp {cfg['dp']} x tp {cfg['tp']} x pp {cfg['pp']}), {cfg['precision']}, "
+                 f"micro-batch {cfg['micro_batch']}: simulated in {self['seconds']:.0f} s",
+                 f"{'ranks':>12} {'params':>9} {'grads':>9} {'optimizer':>9} "
+                 f"{'activ.':>9} {'peak':>9} {'sent/step':>9}"]
+        for r in self["ranks"]:
+            lines.append(f"{describe(r['stands_for']):>12} " + " ".join(
+                f"{format_bytes(r[k]):>9}" for k in ("param_bytes", "grad_bytes",
+                                                     "optim_bytes", "activation_bytes",
+                                                     "peak_bytes", "comm_bytes")))
+        if "fits" in self:
+            lines.append(f"fits in {format_bytes(self['device_memory_bytes'])}: "
+                         f"{'yes' if self['fits'] else 'no'}, margin "
+                         f"{format_bytes(self['margin_bytes'])}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.table()
+
+
+def simulate(cfg, world_size: int, *, device_memory_gb: float | None = None) -> Simulation:
+    """Simulate ``cfg`` on ``world_size`` ranks; per role: params, grads, optimizer state,
+    activations, temporaries, communication buffers, peak, bytes sent per step by op.
+
+    ``device_memory_gb`` (decimal GB, as `nbpar.estimate`) adds ``fits`` and
+    ``margin_bytes`` (device memory minus the largest simulated peak).
+    """
+    from nbpar.simulate.measure import simulate_rank
+    from nbpar.simulate.roles import roles
+
+    start = time.perf_counter()
+    capacity = None if device_memory_gb is None else capacity_bytes(device_memory_gb)
+    cfg, dims = prepare(cfg, world_size)
+    ranks = []
+    for rank, stands_for in roles(dims):
+        ranks.append({**simulate_rank(cfg, dims, rank), "stands_for": stands_for})
+    config = {**cfg.to_dict(), "world_size": world_size, "dp": dims.dp, "tp": dims.tp,
+              "pp": dims.pp}
+    out = Simulation(config=config, ranks=ranks, seconds=time.perf_counter() - start)
+    if capacity is not None:
+        out.update(fit_figures(ranks, capacity))
+    return out
+
+
+def capacity_bytes(device_memory_gb: float) -> int:
+    """Decimal GB -> bytes; one line for anything but a positive number."""
+    if isinstance(device_memory_gb, bool) or not isinstance(device_memory_gb, (int, float)) \
+            or not device_memory_gb > 0:
+        raise ValueError(f"device memory must be a positive number of GB, "
+                         f"got {device_memory_gb!r}")
+    return int(device_memory_gb * 1e9)
+
+
+def fit_figures(ranks, capacity: int) -> dict:
+    """``fits`` and ``margin_bytes`` of the worst rank against ``capacity`` bytes."""
+    margin = capacity - max(r["peak_bytes"] for r in ranks)
+    return {"fits": margin >= 0, "margin_bytes": margin, "device_memory_bytes": capacity}

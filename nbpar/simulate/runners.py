@@ -1,0 +1,71 @@
+"""The step runner a simulated rank uses: the real strategy code wherever it runs fake.
+
+FSDP2 (zero2, zero3), DTensor tensor parallelism and their combinations are built by
+`nbpar.parallel.build_runner`, exactly as on an engine. Two pieces need real storage and
+get a stand-in that does the same work:
+
+- DDP's C++ reducer (ddp, and zero1 which is DDP + ZeroRedundancyOptimizer) reads
+  parameter data at construction. The stand-in is DDP's math without its buckets: one
+  all-reduce of every gradient after backward (`TensorParallelRunner`'s data-parallel
+  path), with ZeroRedundancyOptimizer itself for zero1.
+- torch's pipeline schedules agree on shapes through object collectives, which a fake
+  group cannot answer; pipeline ranks run `nbpar.simulate.stages`.
+
+DeepSpeed is refused: its engine flattens and copies real parameters at initialize.
+"""
+from __future__ import annotations
+
+from nbpar.parallel.runner import optimizer_state_tensors, tensor_bytes
+from nbpar.parallel.tensor import TensorParallelRunner
+
+
+class Zero1StandIn(TensorParallelRunner):
+    """Gradients all-reduced over dp, then ZeroRedundancyOptimizer's sharded step."""
+
+    def memory(self) -> dict[str, int]:
+        out = super().memory()
+        out["optim_bytes"] = tensor_bytes(optimizer_state_tensors(self.optimizer.optim))
+        return out
+
+
+def check_simulable(cfg) -> None:
+    """One line for what a fake world cannot run."""
+    if cfg.backend != "torch":
+        raise ValueError("backend 'deepspeed' cannot be simulated: its engine flattens and "
+                         "copies real parameters at initialize; simulate backend 'torch'")
+    if cfg.strategy in ("pipeline", "hybrid") and (cfg.pp or 1) > 1 \
+            and cfg.schedule == "interleaved":
+        raise ValueError("schedule 'interleaved' is not simulated; use 'gpipe' or '1f1b'")
+
+
+def _data_parallel_standin(model, cfg, mesh):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from nbpar.parallel import autocast_dtype, make_optimizer, optimizer_spec
+    from nbpar.train.models import loss_fn
+
+    dp = mesh["dp"]
+    group = dp.get_group() if dp.size() > 1 else None
+    if cfg.strategy == "zero1":
+        cls, kwargs = optimizer_spec(cfg)
+        opt = ZeroRedundancyOptimizer(list(model.parameters()), optimizer_class=cls,
+                                      process_group=dp.get_group(), **kwargs)
+        runner_cls = Zero1StandIn
+    else:
+        opt, runner_cls = make_optimizer(model.parameters(), cfg), TensorParallelRunner
+    return runner_cls(model, opt, loss_fn(cfg.model), autocast_dtype=autocast_dtype(cfg),
+                      device_type="cpu", dp_group=group)
+
+
+def make_runner(model, cfg, mesh, rank: int):
+    """This rank's runner for ``cfg`` on ``mesh`` (see the module docstring)."""
+    from nbpar.parallel import build_runner
+
+    pp, tp = mesh["pp"].size(), mesh["tp"].size()
+    if pp > 1:
+        from nbpar.simulate.stages import build_stage_runner
+
+        return build_stage_runner(model, cfg, mesh, rank)
+    if cfg.strategy in ("ddp", "zero1") and tp == 1:
+        return _data_parallel_standin(model, cfg, mesh)
+    return build_runner(model, cfg, mesh)
