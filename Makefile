@@ -23,7 +23,7 @@ $(VENV)/.done: pyproject.toml scripts/install_torch.sh scripts/install_mpi.sh sc
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	TORCH_VERSION=$(TORCH_VERSION) sh scripts/install_torch.sh $(PY)
-	$(PY) -m pip install -q -e ".[test,lab,monitor]"
+	$(PY) -m pip install -q -e ".[test,lab,monitor,hf]"
 	$(PY) -m pip install -q --no-build-isolation "deepspeed==$(DEEPSPEED_VERSION)"
 	sh scripts/install_mpi.sh $(PY)
 	sh scripts/install_browser.sh $(PY)

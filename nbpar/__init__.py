@@ -1,6 +1,7 @@
 """nbpar: see distributed training work, cell by cell, from a notebook.
 
-Public API: Pool, TrainConfig, compare, estimate_memory, StrategyPicker, log, simulate.
+Public API: Pool, TrainConfig, compare, estimate_memory, StrategyPicker, log,
+register_model, simulate.
 Importing nbpar is cheap: torch and ipyparallel load when first needed, and
 nothing starts processes or touches devices at import time.
 """
@@ -21,6 +22,7 @@ _LAZY = {
     "log": ("nbpar.train.userlog", "log"),
     # the package itself, callable: nbpar.simulate(cfg, world_size=N), nbpar.simulate.what_fits
     "simulate": ("nbpar.simulate", None),
+    "register_model": ("nbpar.train.registry", "register_model"),
     "EngineDied": ("nbpar.errors", "EngineDied"),
     "DistTimeout": ("nbpar.errors", "DistTimeout"),
     "RankError": ("nbpar.errors", "RankError"),
@@ -28,7 +30,7 @@ _LAZY = {
 }
 
 __all__ = ["Pool", "TrainConfig", "compare", "estimate_memory", "StrategyPicker", "log",
-           "simulate"]
+           "register_model", "simulate"]
 
 # Modules that moved when the package was grouped by where code runs (pool/: the kernel
 # drives engines, train/: inside the engines, parallel/: the strategies, view/: what

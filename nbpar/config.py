@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 
 from nbpar.parallel.mesh import (  # noqa: F401  (the rules are public here too)
@@ -32,6 +33,7 @@ PIPELINED = ("pipeline", "hybrid")
 DEEPSPEED_STRATEGIES = DATA_PARALLEL + PIPELINED
 GPT_ONLY = ("pipeline", "tp", "hybrid")
 DEFAULT_SCHEDULE = "1f1b"
+HEAD_WORDS = {"heads": "attention heads", "kv_heads": "key/value heads"}
 
 
 def _choice(name: str, value, allowed) -> None:
@@ -79,11 +81,25 @@ class GPTConfig:
 class TrainConfig:
     """One training experiment: model, data, strategy, degrees and step budget."""
 
-    model: str = "tiny_gpt"
-    """"simple_cnn" (CIFAR-10 shaped images) or "tiny_gpt" (byte-level language model)"""
-    dataset: str | None = None
-    """None = the model's default: "cifar10" for simple_cnn, "pysource" for tiny_gpt;
-    simple_cnn also takes "digits" (scikit-learn's bundled 8x8 digits)"""
+    model: str | Callable = "tiny_gpt"
+    """"simple_cnn" (CIFAR-10 shaped images), "tiny_gpt" (byte-level language model),
+    "hf:gpt2" / "hf:llama" (transformers, random init from ``model_config``), a name given
+    to `nbpar.register_model`, a "package.module:function" string or a picklable callable
+    returning an nn.Module (called with ``model_config`` as keyword arguments)"""
+    model_config: dict | None = None
+    """a Hugging Face family's config fields (e.g. {"hidden_size": 256}), or a factory's
+    keyword arguments"""
+    dataset: str | Callable | None = None
+    """None = the model's default: "cifar10" for simple_cnn, "pysource" for tiny_gpt and
+    hf:*; simple_cnn also takes "digits" (scikit-learn's bundled 8x8 digits); for a factory
+    model a callable or "package.module:function" returning a map-style Dataset of
+    (input, target)"""
+    loss: str | Callable | None = None
+    """loss(output, target) -> scalar, or its "package.module:function"; None = the
+    model's own (cross entropy for the built-ins and hf:*)"""
+    activation_checkpointing: bool = False
+    """recompute each block's activations in backward instead of keeping them (tiny_gpt,
+    hf:*)"""
     data_dir: str | None = None
     """where CIFAR-10 format files live; generated there (synthetic) when absent"""
     strategy: str = "ddp"
@@ -145,8 +161,12 @@ class TrainConfig:
 
     # ---- derived values -------------------------------------------------
     def dataset_name(self) -> str:
-        """The dataset actually used (resolves the model's default)."""
-        return self.dataset if self.dataset is not None else DATASETS[self.model][0]
+        """The dataset actually used (resolves the model's default); a factory's label."""
+        from nbpar.train.registry import display_name
+
+        if self.dataset is not None:
+            return display_name(self.dataset)
+        return DATASETS.get(self.model, ("pysource",))[0]
 
     def fsdp_reshard_after_forward(self) -> bool:
         """FSDP2's reshard_after_forward: ZeRO-3 frees params after forward, ZeRO-2 keeps them."""
@@ -190,16 +210,15 @@ class TrainConfig:
     # ---- validation -----------------------------------------------------
     def validate(self, world_size: int | None = None) -> TrainConfig:
         """Raise ValueError naming the first bad setting; returns self."""
-        _choice("model", self.model, MODELS)
         _choice("strategy", self.strategy, STRATEGIES)
         _choice("backend", self.backend, BACKENDS)
         _choice("schedule", self.schedule, SCHEDULES)
         _choice("precision", self.precision, PRECISIONS)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("offload", self.offload, OFFLOADS)
-        if self.dataset is not None and self.dataset not in DATASETS[self.model]:
-            raise ValueError(f"dataset={self.dataset!r} does not fit model {self.model!r}; "
-                             f"choose one of {', '.join(DATASETS[self.model])}")
+        from nbpar.train.registry import check_model_fields
+
+        check_model_fields(self, DATASETS)
         for name in ("micro_batch", "grad_accum", "steps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -216,7 +235,7 @@ class TrainConfig:
             raise ValueError(f"checkpoint_keep must be a positive integer, "
                              f"got {self.checkpoint_keep!r}")
         self.gpt.validate()
-        if self.model == "tiny_gpt" and self.gpt.vocab_size < 256:
+        if self.model in ("tiny_gpt", "hf:gpt2", "hf:llama") and self.gpt.vocab_size < 256:
             raise ValueError(f"gpt.vocab_size={self.gpt.vocab_size} is too small for byte-level "
                              f"text; it must be >= 256")
         self._validate_optimizer()
@@ -245,9 +264,13 @@ class TrainConfig:
         if s not in PIPELINED and self.schedule != DEFAULT_SCHEDULE:
             raise ValueError(f"schedule={self.schedule!r} applies only to strategies pipeline and "
                              f"hybrid, not {s!r}")
-        if s in GPT_ONLY and self.model != "tiny_gpt":
-            raise ValueError(f"strategy {s!r} needs model 'tiny_gpt' (it splits transformer "
-                             f"layers), got {self.model!r}")
+        if s in GPT_ONLY and self.model == "simple_cnn":
+            raise ValueError(f"strategy {s!r} needs model 'tiny_gpt', an hf:* family or a model "
+                             f"declaring a parallel plan (it splits transformer layers), got "
+                             f"'simple_cnn'")
+        if s in PIPELINED and b == "deepspeed" and self.model != "tiny_gpt":
+            raise ValueError(f"a DeepSpeed pipeline runs model 'tiny_gpt' only; use "
+                             f"backend='torch' for {self.model!r}")
         if b == "deepspeed" and s not in DEEPSPEED_STRATEGIES:
             raise ValueError(f"backend 'deepspeed' supports strategies "
                              f"{', '.join(DEEPSPEED_STRATEGIES)}, not {s!r}")
@@ -283,14 +306,26 @@ class TrainConfig:
             tp, pp = d.tp, d.pp
         else:
             tp, pp = self.tp or 1, self.pp or 1
-        if tp > 1 and (self.gpt.n_heads % tp or self.gpt.d_model % tp):
+        from nbpar.train.registry import known_shape
+
+        layers, where = known_shape(self)
+        if self.model == "tiny_gpt" and tp > 1 and (self.gpt.n_heads % tp or
+                                                    self.gpt.d_model % tp):
             raise ValueError(f"tp={tp} must divide gpt.n_heads={self.gpt.n_heads} and "
                              f"gpt.d_model={self.gpt.d_model}")
-        if pp > self.gpt.n_layers:
+        if tp > 1 and where:  # a transformers family: heads from its config
+            from nbpar.train.hf import shape
+
+            for k in ("heads", "kv_heads"):
+                n = shape(self.model, self.model_config)[k]
+                if n % tp:
+                    raise ValueError(f"tp={tp} must divide the {HEAD_WORDS[k]} of "
+                                     f"{self.model} ({n})")
+        if layers is not None and pp > layers:
             raise ValueError(f"pp={pp} pipeline stages need at least {pp} layers, "
-                             f"gpt.n_layers={self.gpt.n_layers}")
-        if self.strategy in PIPELINED and pp > 1:
-            check_pipeline_schedule(self.schedule, pp, self.grad_accum, self.gpt.n_layers,
+                             f"{where or 'gpt.n_layers'}={layers}")
+        if self.strategy in PIPELINED and pp > 1 and layers is not None:
+            check_pipeline_schedule(self.schedule, pp, self.grad_accum, layers,
                                     self.backend)
 
     def _validate_optimizer(self) -> None:

@@ -227,5 +227,5 @@ def test_build_runner_rejects_what_it_cannot_run(bad, match):
 
 
 def test_apply_tp_rejects_a_model_without_blocks():
-    with pytest.raises(TypeError, match="layers"):
+    with pytest.raises(ValueError, match="Linear has no parallel_plan"):
         check_tp(nn.Linear(4, 4), 2)

@@ -63,7 +63,7 @@ def build_single_runner(model, cfg, mesh=None):
     from nbpar.parallel.runner import StepRunner
     from nbpar.train.models import loss_fn
 
-    return StepRunner(model, make_optimizer(model.parameters(), cfg), loss_fn(cfg.model),
+    return StepRunner(model, make_optimizer(model.parameters(), cfg), loss_fn(cfg),
                       autocast_dtype=autocast_dtype(cfg), device_type=model_device_type(model))
 
 

@@ -60,6 +60,6 @@ def build_runner(model, cfg, mesh) -> DDPRunner:
     """DDP over ``mesh["dp"]`` with the optimizer and precision of ``cfg``."""
     timer = CommTimer()
     ddp = apply_ddp(model, mesh["dp"], timer=timer)
-    return DDPRunner(ddp, make_optimizer(ddp.parameters(), cfg), loss_fn(cfg.model),
+    return DDPRunner(ddp, make_optimizer(ddp.parameters(), cfg), loss_fn(cfg),
                      timer=timer, autocast_dtype=autocast_dtype(cfg),
                      device_type=model_device_type(model))

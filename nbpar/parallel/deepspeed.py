@@ -287,7 +287,7 @@ def initialize(model, config: dict, mesh=None):
 def build_runner(model, cfg, mesh, loss=None) -> DeepSpeedRunner:
     """DeepSpeed ZeRO stage 0 (``ddp``), 1, 2 or 3 over ``mesh["dp"]`` as ``cfg`` asks.
 
-    ``loss`` defaults to ``nbpar.train.models.loss_fn(cfg.model)``.
+    ``loss`` defaults to ``nbpar.train.models.loss_fn(cfg)``.
     """
     if cfg.strategy not in ("ddp", "zero1", "zero2", "zero3"):
         raise ValueError(f"the DeepSpeed ZeRO runner takes strategy ddp, zero1, zero2 or "
@@ -295,6 +295,6 @@ def build_runner(model, cfg, mesh, loss=None) -> DeepSpeedRunner:
     config = ds_config_for(cfg, mesh["dp"].size())
     if loss is None:
         from nbpar.train.models import loss_fn
-        loss = loss_fn(cfg.model)
+        loss = loss_fn(cfg)
     engine = initialize(model, config, mesh)
     return DeepSpeedRunner(engine, loss, config)

@@ -121,7 +121,7 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> DeepSpeedPipel
     if loss_fn is None:
         from nbpar.train.models import loss_fn as make_loss
 
-        loss_fn = make_loss(cfg.model)
+        loss_fn = make_loss(cfg)
     pp, dp = mesh["pp"].size(), mesh["dp"].size()
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(),
                                auto_mpi_discovery=False)

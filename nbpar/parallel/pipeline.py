@@ -24,6 +24,7 @@ from torch.distributed.pipelining import (
 
 from nbpar.parallel.mesh import check_pipeline_schedule
 from nbpar.train import timeline as _timeline
+from nbpar.train.plan import plan_of, require
 
 from . import autocast_dtype as precision_dtype
 from . import make_optimizer
@@ -56,10 +57,12 @@ def split_stages(model: nn.Module, pp_rank: int, pp_size: int,
                  virtual: int = 1) -> list[nn.Module]:
     """The stage modules of ``pp_rank``: copies of ``model`` keeping only their part.
 
-    Stage 0 keeps ``tok_emb``/``pos_emb``, the last stage ``norm``/``head``;
+    The cut follows the model's declared plan (`nbpar.train.plan`): stage 0 keeps
+    its ``first`` parts (embeddings), the last stage its ``last`` parts (norm, head);
     parameter names stay those of the full model. ``model`` is not modified.
     """
-    n_layers = len(model.layers)
+    plan = require(model, "pipeline")
+    n_layers = len(plan.layers)
     for name, value in (("pp_size", pp_size), ("virtual", virtual)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -70,18 +73,17 @@ def split_stages(model: nn.Module, pp_rank: int, pp_size: int,
         raise ValueError(f"cannot cut {n_layers} layers into pp*virtual = "
                          f"{pp_size}*{virtual} = {n_stages} stages: need at most one "
                          f"stage per layer")
-    keys = list(model.layers.keys())
+    keys = sorted(plan.layers.keys(), key=int)
     ranges = layer_ranges(n_layers, n_stages)
     chunks = []
     for s in stage_ids(pp_rank, pp_size, virtual):
         chunk = copy.deepcopy(model)
+        layers = plan_of(chunk).layers
         for i, key in enumerate(keys):
             if i not in ranges[s]:
-                del chunk.layers[key]
-        if s != 0:
-            chunk.tok_emb = chunk.pos_emb = None
-        if s != n_stages - 1:
-            chunk.norm = chunk.head = None
+                del layers[key]
+        for name in (plan.first if s != 0 else ()) + (plan.last if s != n_stages - 1 else ()):
+            setattr(chunk, name, None)
         chunks.append(chunk)
     return chunks
 
@@ -140,7 +142,7 @@ class TimedStage(PipelineStage):
 def default_loss(cfg):
     from nbpar.train.models import loss_fn
 
-    return loss_fn(cfg.model)
+    return loss_fn(cfg)
 
 
 class PipelineRunner(StepRunner):
@@ -259,7 +261,7 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None, prepare=None,
     """
     pp_mesh = mesh["pp"]
     pp_size, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
-    virtual = validate(cfg, pp_size, len(model.layers))
+    virtual = validate(cfg, pp_size, len(require(model, "pipeline").layers))
     device = torch.device(mesh.device_type)
     chunks = [_to(c, device) for c in split_stages(model, pp_rank, pp_size, virtual)]
     if prepare is not None:

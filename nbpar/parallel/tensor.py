@@ -1,4 +1,5 @@
-"""Megatron-LM tensor parallelism (Shoeybi et al., 2019) for TinyGPT, via DTensor.
+"""Megatron-LM tensor parallelism (Shoeybi et al., 2019) via DTensor, for any model
+that declares a tensor-parallel plan (`nbpar.train.plan`): TinyGPT, hf:llama.
 
 Each Block's attention and feed-forward are split across the ranks of the
 "tp" mesh dimension: the first linear(s) column-wise (Megatron's ``f``: copy the
@@ -12,7 +13,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import parallelize_module
+
+from nbpar.train.models import gpt_block_plan
+from nbpar.train.plan import check_tp_degree, require
 
 from .runner import StepRunner, local_tensor
 
@@ -21,32 +25,12 @@ PRECISIONS = ("fp32", "bf16")
 
 
 def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    layers = getattr(model, "layers", None)
-    if not isinstance(layers, nn.ModuleDict):
-        raise TypeError(
-            f"tensor parallelism needs a TinyGPT-like model with a ModuleDict "
-            f"'layers' of Blocks; got {type(model).__name__}")
-    return list(layers.items())
+    return list(require(model, "tensor").layers.items())
 
 
 def check_tp(model: nn.Module, tp: int) -> None:
-    """Raise ValueError unless ``tp`` divides every split width of ``model``."""
-    if not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tensor-parallel degree must be a positive integer, got {tp!r}")
-    for name, block in _blocks(model):
-        attn, ffn = block.attn, block.ffn
-        d_model = attn.wq.out_features
-        n_heads = d_model // attn.head_dim
-        if n_heads % tp:
-            raise ValueError(
-                f"tensor-parallel degree {tp} must divide the number of attention "
-                f"heads ({n_heads}) of layer {name}; use a tp that divides {n_heads}")
-        if d_model % tp:
-            raise ValueError(f"tensor-parallel degree {tp} must divide d_model "
-                             f"({d_model}) of layer {name}")
-        if ffn.w1.out_features % tp:
-            raise ValueError(f"tensor-parallel degree {tp} must divide the "
-                             f"feed-forward width ({ffn.w1.out_features}) of layer {name}")
+    """Raise ValueError unless ``tp`` divides every split width of ``model``'s plan."""
+    check_tp_degree(model, tp)
 
 
 def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
@@ -64,18 +48,13 @@ def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
         raise ValueError(f"apply_tp needs a 1-D tp mesh, got {tp_mesh.ndim} dims; "
                          f"pass mesh['tp']")
     check_tp(model, tp_mesh.size())
-    for _, block in _blocks(model):
-        parallelize_module(block, tp_mesh, block_plan())
+    plan = require(model, "tensor")
+    for block in plan.layers.values():
+        parallelize_module(block, tp_mesh, plan.tp)
     return model
 
 
-def block_plan() -> dict:
-    """The Megatron split of one Block, keyed by submodule path."""
-    return {
-        "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(),
-        "attn.wv": ColwiseParallel(), "attn.wo": RowwiseParallel(),
-        "ffn.w1": ColwiseParallel(), "ffn.w2": RowwiseParallel(),
-    }
+block_plan = gpt_block_plan  # TinyGPT's Block split
 
 
 def apply_fsdp_on_dp(model: nn.Module, dp_mesh, reshard_after_forward: bool) -> nn.Module:
@@ -163,7 +142,7 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> StepRunner:
     if loss_fn is None:
         from nbpar.train.models import loss_fn as model_loss
 
-        loss_fn = model_loss(cfg.model)
+        loss_fn = model_loss(cfg)
     device_type = model_device_type(model)
     apply_tp(model, mesh["tp"])
     dp_mesh = mesh["dp"]

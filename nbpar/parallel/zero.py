@@ -21,7 +21,13 @@ TORCH_PRECISIONS = ("fp32", "bf16")
 
 
 def model_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks to shard one by one: TinyGPT's ``layers`` values, else none."""
+    """The repeated blocks to shard one by one: the model's declared plan
+    (`nbpar.train.plan`), else a ``layers`` container, else none (one unit, the root)."""
+    from nbpar.train.plan import plan_of
+
+    plan = plan_of(model)
+    if plan is not None:
+        return list(plan.layers.values())
     layers = getattr(model, "layers", None)
     if isinstance(layers, nn.ModuleDict):
         return list(layers.values())
@@ -142,14 +148,14 @@ def _check(cfg) -> None:
 def build_runner(model, cfg, mesh, loss=None) -> StepRunner:
     """The runner of torch ZeRO ``cfg.strategy`` over ``mesh["dp"]``.
 
-    ``loss`` defaults to ``nbpar.train.models.loss_fn(cfg.model)``.
+    ``loss`` defaults to ``nbpar.train.models.loss_fn(cfg)``.
     """
     from nbpar.parallel import autocast_dtype, make_optimizer, model_device_type, optimizer_spec
 
     _check(cfg)
     if loss is None:
         from nbpar.train.models import loss_fn
-        loss = loss_fn(cfg.model)
+        loss = loss_fn(cfg)
     device_type = model_device_type(model)
     dp_mesh = mesh["dp"]
     if cfg.strategy == "zero1":

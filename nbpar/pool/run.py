@@ -21,13 +21,16 @@ from nbpar.pool.execute import OUTPUT_WAIT_S, wait_all
 _stop_stores: dict = {}
 
 
-def train_on_engine(cfg: dict, run_id: str) -> dict:
-    """Engine side: run_training with publication and a stop flag."""
+def train_on_engine(cfg: dict, run_id: str, models: dict | None = None) -> dict:
+    """Engine side: run_training with publication and a stop flag; ``models`` are the
+    kernel's `nbpar.register_model` entries the config names."""
     from ipyparallel.datapub import publish_data
 
     from nbpar.pool import worker
     from nbpar.train.loop import run_training
+    from nbpar.train.registry import adopt
 
+    adopt(models or {})
     seq = itertools.count()
     store = worker._state.get("store")
     key = f"stop/{run_id}"
@@ -66,12 +69,14 @@ class Run:
     """One ``pool.train(cfg)``: live history, ``wait()``, ``stop()``, ``result()``."""
 
     def __init__(self, pool, cfg, ranks):
+        from nbpar.train.registry import entry
+
         self.pool, self.cfg, self.ranks = pool, cfg, ranks
         self.run_id = uuid.uuid4().hex[:12]
         self.started = time.time()
         self._results = None
         self._ars = {r: pool.client[pool.engine_id(r)].apply_async(
-            train_on_engine, cfg.to_dict(), self.run_id) for r in ranks}
+            train_on_engine, cfg.to_dict(), self.run_id, entry(cfg.model)) for r in ranks}
         pool.track(self._ars)
 
     # -- live state ----------------------------------------------------------
@@ -186,6 +191,7 @@ def _client_store(pool):
 def start_run(pool, cfg=None, **overrides) -> Run:
     """Validate ``cfg`` against the pool (before any engine works) and start it."""
     from nbpar.config import TrainConfig
+    from nbpar.train.probe import check_model
 
     if cfg is None:
         cfg = TrainConfig(**overrides)
@@ -193,5 +199,6 @@ def start_run(pool, cfg=None, **overrides) -> Run:
         cfg = TrainConfig.from_dict({**cfg.to_dict(), **overrides})
     world = 1 if cfg.strategy == "single" else pool.n
     cfg.validate(world)
+    check_model(cfg, world)  # builds it here: a bad factory or batch fails before engines
     ranks = [0] if cfg.strategy == "single" else list(range(pool.n))
     return Run(pool, cfg, ranks)

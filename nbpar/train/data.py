@@ -174,7 +174,11 @@ class ByteWindows(Dataset):
 
 
 def build_dataset(cfg, train: bool = True) -> Dataset:
-    """The training set named by ``cfg`` (its default for the model when unset)."""
+    """The training set named by ``cfg`` (its default for the model when unset), or the
+    one a dataset factory returns (`nbpar.train.registry`)."""
+    factory = dataset_factory(cfg)
+    if factory is not None:
+        return _call_dataset_factory(factory, cfg.dataset)
     name = cfg.dataset_name()
     if name == "cifar10":
         return CIFAR10(cifar10_root(cfg.data_dir, cfg.seed), train=train)
@@ -183,6 +187,32 @@ def build_dataset(cfg, train: bool = True) -> Dataset:
     if name == "pysource":
         return ByteWindows(pysource_bytes(), cfg.gpt.seq_len)
     raise ValueError(f"dataset={name!r} is not supported; choose cifar10, digits or pysource")
+
+
+def dataset_factory(cfg):
+    """The callable that makes ``cfg``'s data set, or None for a built-in one."""
+    from nbpar.train import registry
+
+    spec = cfg.dataset
+    if spec is None and registry.kind(cfg.model) == "registered":
+        spec = registry.registered()[cfg.model].dataset
+    if spec is None or (isinstance(spec, str) and not registry.is_factory_string(spec)):
+        return None
+    return registry.resolve_callable(spec, "dataset")
+
+
+def _call_dataset_factory(factory, spec) -> Dataset:
+    from nbpar.train.registry import display_name
+
+    name = display_name(spec if spec is not None else factory)
+    try:
+        dataset = factory()
+    except Exception as e:
+        raise ValueError(f"dataset factory {name} raised {type(e).__name__}: {e}") from None
+    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+        raise ValueError(f"dataset factory {name} returned {type(dataset).__name__}, not a "
+                         f"map-style Dataset (__getitem__ and __len__)")
+    return dataset
 
 
 def build_loader(cfg, dp_rank: int, dp_size: int, epoch: int = 0,

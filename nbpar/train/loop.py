@@ -133,7 +133,7 @@ def _loop(cfg, runner, batches, mesh, dims, rank, world, dev, pg_backend, publis
           should_stop, start=0, distributed=False) -> dict:
     timer = getattr(runner, "comm_timer", None) or CommTimer()
     global_batch = cfg.global_batch(world)
-    tokens = cfg.gpt.seq_len if cfg.model == "tiny_gpt" else None
+    tokens = cfg.gpt.seq_len if cfg.dataset_name() == "pysource" else None
     device.reset_peak(pg_backend)
     history = []
     # the step whose collectives are metered: the second (the first may include

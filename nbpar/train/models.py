@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nbpar.train.plan import run_layers
+
 # Sizes arrive as a `nbpar.config.GPTConfig`; it is not imported here, since the config
 # builds a model to check a resume (an import would be a cycle).
 
@@ -94,7 +96,19 @@ class TinyGPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.checkpointing = False  # activation checkpointing per block
         self.apply(_init_weights)
+
+    def parallel_plan(self):
+        """Blocks, the Megatron split of each block, and the pipeline ends."""
+        from nbpar.train.plan import ModelPlan
+
+        c = self.cfg
+        return ModelPlan(layers=self.layers, tp=gpt_block_plan(),
+                         tp_widths={"number of attention heads": c.n_heads,
+                                    "model width d_model": c.d_model,
+                                    "feed-forward width": c.ffn_mult * c.d_model},
+                         first=("tok_emb", "pos_emb"), last=("norm", "head"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tok_emb is not None:
@@ -104,13 +118,23 @@ class TinyGPT(nn.Module):
                 h = h + self.pos_emb(torch.arange(x.shape[1], device=x.device))
         else:
             h = x  # hidden states (b, s, d) from the previous pipeline stage
-        for key in sorted(self.layers.keys(), key=int):
-            h = self.layers[key](h)
+        h = run_layers(self.layers, h, self.checkpointing)
         if self.norm is not None:
             h = self.norm(h)
         if self.head is not None:
             h = self.head(h)  # (b, s, d) @ (d, vocab) -> logits
         return h
+
+
+def gpt_block_plan() -> dict:
+    """The Megatron split of one TinyGPT Block, keyed by submodule path."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(),
+        "attn.wv": ColwiseParallel(), "attn.wo": RowwiseParallel(),
+        "ffn.w1": ColwiseParallel(), "ffn.w2": RowwiseParallel(),
+    }
 
 
 def _init_weights(m: nn.Module) -> None:
@@ -126,14 +150,49 @@ def build_model(cfg) -> nn.Module:
 
     The global RNG is forked, so building a model neither depends on nor
     changes what the caller's RNG did; every rank gets identical weights.
+    Built-ins, Hugging Face families and factories alike (`nbpar.train.registry`).
     """
+    from nbpar.train import registry
+
+    kind = registry.kind(cfg.model)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         if cfg.model == "simple_cnn":
-            return SimpleCNN(num_classes=10)
-        if cfg.model == "tiny_gpt":
-            return TinyGPT(cfg.gpt)
-    raise ValueError(f"model={cfg.model!r} is not supported; choose simple_cnn or tiny_gpt")
+            model = SimpleCNN(num_classes=10)
+        elif cfg.model == "tiny_gpt":
+            model = TinyGPT(cfg.gpt)
+        elif kind == "hf":
+            from nbpar.train.hf import build_hf_model
+
+            model = build_hf_model(cfg.model, cfg.model_config, cfg.gpt.seq_len)
+        else:
+            model = _call_factory(cfg)
+    if cfg.activation_checkpointing:
+        if not hasattr(model, "checkpointing"):
+            raise ValueError(f"activation_checkpointing needs a model that runs its blocks "
+                             f"through nbpar.train.plan.run_layers (tiny_gpt, hf:*); "
+                             f"{type(model).__name__} does not")
+        model.checkpointing = True
+    return model
+
+
+def _call_factory(cfg) -> nn.Module:
+    """Call a model factory (``model_config`` as keyword arguments); one-line errors."""
+    from nbpar.train import registry
+
+    spec = cfg.model
+    if registry.kind(spec) == "registered":
+        spec = registry.registered()[spec].factory
+    factory = registry.resolve_callable(spec, "model")
+    name = registry.display_name(cfg.model)
+    try:
+        model = factory(**(cfg.model_config or {}))
+    except Exception as e:
+        raise ValueError(f"model factory {name} raised {type(e).__name__}: {e}") from None
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model factory {name} returned {type(model).__name__}, "
+                         f"not a torch.nn.Module")
+    return model
 
 
 def classification_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -146,10 +205,21 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def loss_fn(model_name: str):
-    """The training loss of a model (module-level functions, so they pickle)."""
-    if model_name == "simple_cnn":
+def loss_fn(cfg_or_model):
+    """The training loss of a config (its ``loss``, else its model's) or of a built-in
+    model name; module-level functions or the user's own, so they pickle."""
+    from nbpar.train import registry
+
+    loss, model = getattr(cfg_or_model, "loss", None), getattr(cfg_or_model, "model",
+                                                               cfg_or_model)
+    kind = registry.kind(model)
+    if loss is None and kind == "registered":
+        loss = registry.registered()[model].loss
+    if loss is not None:
+        return registry.resolve_callable(loss, "loss")
+    if model == "simple_cnn":
         return classification_loss
-    if model_name == "tiny_gpt":
+    if model == "tiny_gpt" or kind == "hf":
         return next_token_loss
-    raise ValueError(f"model={model_name!r} is not supported; choose simple_cnn or tiny_gpt")
+    raise ValueError(f"model={registry.display_name(model)} needs loss= (a function "
+                     f"loss(output, target) or its 'package.module:function')")

@@ -1,0 +1,85 @@
+"""What a model declares so strategies can cut it: its parallel plan.
+
+A model that defines ``parallel_plan() -> ModelPlan`` tells the strategies
+- which repeated blocks it has (FSDP units, pipeline cut points, checkpointing),
+- how to split a block for tensor parallelism (Megatron-LM, Shoeybi et al. 2019:
+  DTensor ``ColwiseParallel``/``RowwiseParallel`` styles keyed by submodule path) and
+  which widths the tp degree must divide,
+- which parts only the first and the last pipeline stage keep (GPipe, Huang et al.
+  2019: embeddings in front, norm and head at the back).
+
+Data parallelism needs no plan. Without one, tensor and pipeline parallelism are
+refused with `require`'s message naming what is missing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+
+@dataclass
+class ModelPlan:
+    """A model's declared structure (see the module docstring)."""
+
+    layers: nn.ModuleDict
+    """the repeated blocks, keyed "0".."L-1", run in key order"""
+    tp: dict | None = None
+    """block-relative submodule path -> DTensor ParallelStyle; None = no tensor parallel"""
+    tp_widths: dict[str, int] = field(default_factory=dict)
+    """what the tp degree must divide, e.g. {"attention heads": 8, "key/value heads": 2}"""
+    first: tuple[str, ...] = ()
+    """attributes only the first pipeline stage keeps (set to None elsewhere)"""
+    last: tuple[str, ...] = ()
+    """attributes only the last pipeline stage keeps"""
+    no_pipeline: str | None = None
+    """why this model cannot be cut into stages (e.g. tied embeddings), or None"""
+    no_tp: str | None = None
+    """why this model has no tensor-parallel plan, or None"""
+
+
+def plan_of(model: nn.Module) -> ModelPlan | None:
+    """The model's declared plan, or None."""
+    declare = getattr(model, "parallel_plan", None)
+    return declare() if callable(declare) else None
+
+
+def require(model: nn.Module, what: str) -> ModelPlan:
+    """The plan ``what`` ("tensor" or "pipeline") needs, or a one-line ValueError."""
+    plan = plan_of(model)
+    name = type(model).__name__
+    if plan is None:
+        raise ValueError(f"{what} parallelism needs a model that declares its blocks: "
+                         f"{name} has no parallel_plan() method (see nbpar.train.plan.ModelPlan)")
+    if what == "tensor" and (plan.tp is None or plan.no_tp):
+        raise ValueError(f"tensor parallelism needs a tensor-parallel plan: {name} "
+                         f"{plan.no_tp or 'declares none (ModelPlan.tp)'}")
+    if what == "pipeline" and plan.no_pipeline:
+        raise ValueError(f"pipeline parallelism cannot cut {name}: {plan.no_pipeline}")
+    return plan
+
+
+def check_tp_degree(model: nn.Module, tp: int) -> None:
+    """Raise ValueError unless ``tp`` divides every width the plan names."""
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor-parallel degree must be a positive integer, got {tp!r}")
+    for what, width in require(model, "tensor").tp_widths.items():
+        if width % tp:
+            raise ValueError(f"tensor-parallel degree {tp} must divide the {what} ({width}); "
+                             f"use a tp that divides {width}")
+
+
+def run_layers(layers: nn.ModuleDict, h, checkpointing: bool = False, **kwargs):
+    """Run ``layers`` in key order; with ``checkpointing`` each block's activations are
+    recomputed in backward instead of kept (Chen et al. 2016, non-reentrant)."""
+    from torch.utils.checkpoint import checkpoint
+
+    for key in sorted(layers.keys(), key=int):
+        layer = layers[key]
+        if checkpointing and h.requires_grad:
+            h = checkpoint(layer, h, use_reentrant=False, **kwargs)
+        else:
+            h = layer(h, **kwargs)
+        if isinstance(h, tuple):  # some decoder layers return (hidden, ...)
+            h = h[0]
+    return h

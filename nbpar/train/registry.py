@@ -1,0 +1,167 @@
+"""Where a config's model, data set and loss come from.
+
+A model is one of: a built-in name (``simple_cnn``, ``tiny_gpt``), a Hugging Face
+family (``"hf:gpt2"``, ``"hf:llama"``, see `nbpar.train.hf`), a name given to
+`register_model`, a ``"package.module:function"`` string, or a picklable callable.
+Factories return an ``nn.Module``; ``dataset=`` factories a map-style ``Dataset`` of
+``(input, target)``; ``loss=`` is the loss function itself, ``loss(output, target)``.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+BUILTIN = ("simple_cnn", "tiny_gpt")
+
+
+@dataclass(frozen=True)
+class Registered:
+    """A model registered under a name, with the data set and loss it trains on."""
+
+    factory: object
+    dataset: object = None
+    loss: object = None
+
+
+# this process's registrations; a run ships the one it uses to the engines (`entry`)
+_registered: dict[str, Registered] = {}
+
+
+def import_object(spec: str, what: str):
+    """The object named by ``"package.module:attribute"``; one-line errors."""
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"{what}={spec!r} is not a 'package.module:function' string")
+    try:
+        obj = importlib.import_module(module)
+    except Exception as e:  # ImportError, or the module raising while it loads
+        raise ValueError(f"{what}={spec!r}: cannot import {module!r} "
+                         f"({type(e).__name__}: {e})") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{what}={spec!r}: module {module!r} has no {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def resolve_callable(spec, what: str):
+    """A callable given as itself or as a ``"package.module:function"`` string."""
+    obj = import_object(spec, what) if isinstance(spec, str) else spec
+    if not callable(obj):
+        raise ValueError(f"{what}={spec!r} is not callable")
+    return obj
+
+
+def is_factory_string(value) -> bool:
+    return isinstance(value, str) and ":" in value and not value.startswith("hf:")
+
+
+def register_model(name: str, factory, *, dataset=None, loss=None) -> None:
+    """Offer ``factory`` (a callable returning an ``nn.Module``, or its
+    ``"package.module:function"``) as model ``name`` in configs, the CLI and the widgets;
+    ``dataset``/``loss`` become its defaults."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"a model name must be a Python identifier, got {name!r}")
+    if name in BUILTIN:
+        raise ValueError(f"{name!r} is a built-in model; register under another name")
+    resolve_callable(factory, "factory")
+    _registered[name] = Registered(factory, dataset, loss)
+
+
+def registered() -> dict[str, Registered]:
+    return dict(_registered)
+
+
+def entry(model) -> dict[str, Registered]:
+    """The registration ``model`` needs on an engine ({} if none): ship it with a run."""
+    if isinstance(model, str) and model in _registered:
+        return {model: _registered[model]}
+    return {}
+
+
+def adopt(entries: dict[str, Registered]) -> None:
+    """Engine side: take the registrations a run brought along."""
+    _registered.update(entries)
+
+
+def model_names() -> list[str]:
+    """Every model a config can name: built-ins, Hugging Face families, registered."""
+    from nbpar.train.hf import FAMILIES
+
+    return [*BUILTIN, *(f"hf:{f}" for f in FAMILIES), *sorted(_registered)]
+
+
+def kind(model) -> str:
+    """"builtin", "hf", "registered" or "factory" (a callable or an import string)."""
+    if isinstance(model, str):
+        if model in BUILTIN:
+            return "builtin"
+        if model.startswith("hf:"):
+            return "hf"
+        if model in _registered:
+            return "registered"
+        if ":" in model:
+            return "factory"
+        raise ValueError(f"model={model!r} is not known; choose one of "
+                         f"{', '.join(model_names())}, a 'package.module:function' string or "
+                         f"a callable returning an nn.Module")
+    if callable(model):
+        return "factory"
+    raise ValueError(f"model={model!r} must be a name, a 'package.module:function' string or "
+                     f"a callable returning an nn.Module")
+
+
+def display_name(model) -> str:
+    """A short label for a model spec (a callable's qualified name)."""
+    if isinstance(model, str):
+        return model
+    return f"{getattr(model, '__module__', '?')}:{getattr(model, '__qualname__', repr(model))}"
+
+
+def check_model_fields(cfg, builtin_datasets: dict) -> None:
+    """Cheap checks of model/model_config/dataset/loss (nothing is imported or built
+    here beyond resolving names; `nbpar.train.probe` builds and runs a first batch)."""
+    k = kind(cfg.model)
+    if cfg.model_config is not None and not isinstance(cfg.model_config, dict):
+        raise ValueError(f"model_config must be a dict, got {cfg.model_config!r}")
+    if cfg.model_config and k == "builtin":
+        raise ValueError(f"model_config applies to hf:* models and factories; size "
+                         f"{cfg.model!r} with gpt=GPTConfig(...)")
+    if not isinstance(cfg.activation_checkpointing, bool):
+        raise ValueError(f"activation_checkpointing must be True or False, "
+                         f"got {cfg.activation_checkpointing!r}")
+    if k == "hf":
+        from nbpar.train.hf import family
+
+        family(cfg.model)
+    reg = _registered.get(cfg.model) if k == "registered" else None
+    ds = cfg.dataset
+    if k in ("builtin", "hf") and isinstance(ds, str) and not is_factory_string(ds):
+        allowed = builtin_datasets.get(cfg.model, ("pysource",))
+        if ds not in allowed:
+            raise ValueError(f"dataset={ds!r} does not fit model {cfg.model!r}; "
+                             f"choose one of {', '.join(allowed)}")
+    elif ds is not None:
+        resolve_callable(ds, "dataset")
+    elif k in ("factory", "registered") and (reg is None or reg.dataset is None):
+        raise ValueError(f"model={display_name(cfg.model)} needs dataset= (a function "
+                         f"returning a map-style Dataset of (input, target), or its "
+                         f"'package.module:function')")
+    if cfg.loss is not None:
+        resolve_callable(cfg.loss, "loss")
+    elif k in ("factory", "registered") and (reg is None or reg.loss is None):
+        raise ValueError(f"model={display_name(cfg.model)} needs loss= (a function "
+                         f"loss(output, target) or its 'package.module:function')")
+
+
+def known_shape(cfg) -> tuple[int | None, str | None]:
+    """(number of blocks, the config field it comes from) when the config alone says it:
+    tiny_gpt's gpt.n_layers, an hf family's layer count; (None, None) for factories."""
+    if cfg.model == "tiny_gpt":
+        return cfg.gpt.n_layers, None
+    if isinstance(cfg.model, str) and cfg.model.startswith("hf:"):
+        from nbpar.train.hf import SHAPE_KEYS, family, shape
+
+        return shape(cfg.model, cfg.model_config)["layers"], \
+            f"model_config {SHAPE_KEYS[family(cfg.model)][0]}"
+    return None, None

@@ -1,0 +1,88 @@
+"""A user's own module, data set and loss: every data-parallel strategy and backend
+equals the single-process reference through `pool.train` on real engines, and bad
+input is refused in one line before any engine works."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nbpar
+from nbpar.train.probe import check_fits, check_model
+from tests import user_models
+
+pytestmark = pytest.mark.timeout(900)
+
+M = "tests.user_models:"
+USER = dict(model=M + "make_model", dataset=M + "make_data", loss=M + "mse")
+STEPS, SEED = 20, 3
+DATA_PARALLEL = [(s, b) for b in ("torch", "deepspeed") for s in ("ddp", "zero1", "zero2", "zero3")]
+
+
+def _losses(pool, **kw) -> torch.Tensor:
+    cfg = nbpar.TrainConfig(steps=STEPS, seed=SEED, lr=1e-2, **kw)
+    return torch.tensor(pool.train(cfg).result()["losses"])
+
+
+def test_every_data_parallel_strategy_equals_single(pool):
+    ref = _losses(pool, strategy="single", micro_batch=16, **USER)
+    assert ref[-5:].mean() < ref[:5].mean(), "the reference does not learn"
+    cases = DATA_PARALLEL + [("zero2", "deepspeed", "optimizer")]
+    for strategy, backend, *offload in cases:
+        got = _losses(pool, strategy=strategy, backend=backend, micro_batch=4, grad_accum=2,
+                      offload=offload[0] if offload else "none", **USER)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0,
+                                   msg=lambda m: f"{strategy}/{backend} {offload}: {m}")
+
+
+def test_callables_and_registered_names_train_like_strings(pool):
+    """The factory given as a function and as a registered name ships to the engines."""
+    ref = _losses(pool, strategy="single", micro_batch=16, model_config={"width": 16},
+                  **USER)
+    got = _losses(pool, strategy="zero3", micro_batch=8, model=user_models.make_model,
+                  model_config={"width": 16}, dataset=user_models.make_data,
+                  loss=user_models.mse)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    nbpar.register_model("my_net", M + "make_model", dataset=M + "make_data", loss=M + "mse")
+    got = _losses(pool, strategy="ddp", micro_batch=8, model="my_net",
+                  model_config={"width": 16})
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+def test_bf16_trains_a_user_module(pool):
+    losses = _losses(pool, strategy="zero2", micro_batch=8, precision="bf16", **USER)
+    assert torch.isfinite(losses).all() and losses[-5:].mean() < losses[:5].mean()
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(model=M + "raises"), "model factory tests.user_models:raises raised RuntimeError: "
+                               "weights file missing"),
+    (dict(model=M + "not_a_module"), "returned str, not a torch.nn.Module"),
+    (dict(model="tests.no_such_module:f"), "cannot import 'tests.no_such_module'"),
+    (dict(model=M + "no_such_function"), "has no 'no_such_function'"),
+    (dict(dataset=M + "wrong_shape_data"), r"input \(16, 5\) float32\) does not fit model "
+                                           r"tests.user_models:make_model: RuntimeError"),
+    (dict(loss=None), "needs loss="),
+    (dict(dataset=None), "needs dataset="),
+    (dict(strategy="tp"), "TwoLayerNet has no parallel_plan"),
+    (dict(strategy="pipeline"), "TwoLayerNet has no parallel_plan"),
+    (dict(activation_checkpointing=True), "activation_checkpointing needs"),
+])
+def test_bad_input_is_one_line_before_engines(change, message):
+    cfg = nbpar.TrainConfig(**{**USER, "strategy": "ddp", "micro_batch": 16, **change})
+    with pytest.raises(ValueError, match=message) as err:
+        cfg.validate(2)
+        check_model(cfg, 2)
+    assert "\n" not in str(err.value)
+
+
+def test_a_model_larger_than_the_machine_is_refused():
+    cfg = nbpar.TrainConfig(**USER, strategy="zero3").validate(2)
+    check_fits(cfg, 10_000, 2, machine_bytes=10**9)  # 10k parameters fit in 1 GB
+    with pytest.raises(ValueError, match=r"needs about .* more than this machine's 1.0 GB"):
+        check_fits(cfg, 10**9, 2, machine_bytes=10**9)
+
+
+def test_pool_train_refuses_before_the_engines_start(pool):
+    with pytest.raises(ValueError, match="does not fit model"):
+        pool.train(nbpar.TrainConfig(**{**USER, "dataset": M + "wrong_shape_data"}))
+    assert all(s["state"] != "busy" for s in pool.status())
