@@ -94,3 +94,69 @@ def test_ring_accounting_of_single_ops():
     assert moved_bytes("recv_", [[t]]) == ("send_recv", 0.0)
     assert moved_bytes("mul", [[t]]) is None
     assert functional_moved_bytes("wait_tensor", [t]) is None
+
+
+def test_every_strategy_reports_its_communication_time(data_parallel, pool):
+    """comm_s and exposed_comm_s come from the c10d layer for every strategy, not from a
+    stopwatch in DDP's hooks: each strategy that moves bytes has time in flight."""
+    runs = {f"{s}/{b}/{k}": ranks for (s, b, k), ranks in data_parallel.items()}
+    runs["tp"] = _run(pool, strategy="tp", micro_batch=MICRO)
+    runs["pipeline"] = _run(pool, strategy="pipeline", micro_batch=MICRO, grad_accum=2)
+    for name, ranks in runs.items():
+        for r in ranks:
+            assert r["comm_bytes"] > 0, name
+            assert r["comm_s"] > 0, name
+            assert 0 <= r["exposed_comm_s"] <= r["comm_s"] + 1e-9, name
+
+
+def _late_partner(rank, world, overlap):
+    """Rank 1 joins an all-reduce 0.5 s late; rank 0 launches it at once and either
+    waits (nothing hides the wait) or computes until it completes."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from nbpar.train.comm import CommMeter
+
+    t = torch.ones(1000)
+    a = torch.randn(128, 128)
+    store = dist.distributed_c10d._get_default_store()
+    with CommMeter() as meter:
+        if rank == 1:  # join 0.5 s after rank 0 has launched its side
+            store.wait(["launched"])
+            time.sleep(0.5)
+        work = dist.all_reduce(t, async_op=True)
+        if rank == 0:
+            store.set("launched", "1")
+        if rank == 0 and overlap:
+            while not work.is_completed():
+                a = torch.tanh(a @ a)
+        work.wait()
+    return {"comm_s": meter.comm_s(), "exposed_s": meter.exposed_comm_s(),
+            "bytes": meter.by_op()}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_comm_time_in_flight_and_exposed_on_real_processes(overlap):
+    from tests.distributed import run_distributed
+
+    r0, r1 = run_distributed(_late_partner, 2, overlap)
+    assert r0["bytes"] == {"all_reduce": 4000} == r1["bytes"]
+    assert r0["comm_s"] >= 0.5  # in flight from launch until the late rank joined
+    assert r1["comm_s"] < r0["comm_s"]
+    if overlap:  # compute hid most of the wait
+        assert r0["exposed_s"] < 0.5 * r0["comm_s"]
+    else:  # nothing ran on rank 0 while it waited
+        assert r0["exposed_s"] == pytest.approx(r0["comm_s"], rel=0.05)
+
+
+def test_interval_arithmetic():
+    from nbpar.train.comm import uncovered_s, union_s
+
+    flight = [(0, 2), (1, 3), (5, 6)]
+    assert union_s(flight) == 4
+    assert uncovered_s(flight, [(0.5, 1), (2, 5.5)]) == pytest.approx(2.0)
+    assert uncovered_s(flight, []) == 4
+    assert uncovered_s(flight, [(-1, 10)]) == 0
+    assert union_s([]) == 0

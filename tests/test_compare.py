@@ -30,13 +30,16 @@ def test_table_rows_from_runs_and_dicts():
     assert a["grad_bytes"] == 4 * MB and a["optim_bytes"] == 8 * MB
     assert a["step_time_s"] == ddp.result()["step_time_s"]
     assert b["comm_fraction"] == res["comm_fraction"]
+    assert b["exposed_comm_fraction"] == res["exposed_comm_fraction"] < b["comm_fraction"]
+    assert b["comm_bytes"] == 2000  # the larger rank's bytes sent per step
     assert a["final_loss"] == [r["loss"] for r in ddp.history if r["rank"] == 1][-1]
 
 
 def test_figure_bars_match_the_table():
     cmp = compare(list(_runs()))
     peak, step, comm, loss = cmp.figure.axes
-    for ax, key in ((peak, "peak_bytes"), (step, "step_time_s"), (comm, "comm_fraction"),
+    for ax, key in ((peak, "peak_bytes"), (step, "step_time_s"),
+                    (comm, "exposed_comm_fraction"),
                     (loss, "final_loss")):
         assert [p.get_height() for p in ax.patches] == [row[key] for row in cmp.table]
     assert [t.get_text() for t in peak.get_xticklabels()] == ["ddp/torch", "zero3/deepspeed"]
@@ -110,7 +113,7 @@ def test_run_result_displays_a_summary_and_stays_the_same_dict():
     res = RunResult(plain)
     assert res == plain and json.loads(json.dumps(res)) == json.loads(json.dumps(plain))
     assert set(res) == {"config", "losses", "ranks", "step_time_s", "comm_fraction",
-                        "bubble_fraction"}
+                        "exposed_comm_fraction", "bubble_fraction"}
     text = pretty(res)
     assert len(text.splitlines()) <= 8 and len(text) < 800
     assert "ddp/torch tiny_gpt: 300 steps, global batch 16, fp32" in text

@@ -20,6 +20,7 @@ def record(step: int, rank: int, *, comm_s: float = 0.01, tokens: bool = True,
     extra = {"local_loss": 5.0 / (1 + step) + 0.1 * (rank - 0.5)} if local else {}
     return {"step": step, "rank": rank, "loss": 5.0 / (1 + step), **extra,
             "step_time_s": step_s, "compute_s": step_s - comm_s, "comm_s": comm_s,
+            "exposed_comm_s": comm_s / 2,
             "samples_per_s": samples, "tokens_per_s": samples * 32 if tokens else None,
             "param_bytes": (4 + rank) * MB, "grad_bytes": 4 * MB, "optim_bytes": 8 * MB,
             "rss_bytes": (100 + step + rank) * MB, "peak_bytes": (120 + step + rank) * MB,
@@ -55,8 +56,11 @@ class FakeRun:
         return {"config": self.cfg.to_dict(), "losses": [rec["loss"] for rec in last],
                 "ranks": [{"rank": r, **{k: mine[r][-1][k] for k in
                                          ("param_bytes", "grad_bytes", "optim_bytes")},
-                           "peak_bytes": max(rec["peak_bytes"] for rec in mine[r])}
+                           "peak_bytes": max(rec["peak_bytes"] for rec in mine[r]),
+                           "comm_bytes": 1000 * (r + 1)}
                           for r in self.ranks],
                 "step_time_s": max(statistics.median(rec["step_time_s"] for rec in mine[r])
                                    for r in self.ranks),
-                "comm_fraction": total_comm / total_step, "bubble_fraction": None}
+                "comm_fraction": total_comm / total_step,
+                "exposed_comm_fraction": sum(rec["exposed_comm_s"] for rec in self.history)
+                / total_step, "bubble_fraction": None}

@@ -126,15 +126,19 @@ class Run:
         last = res[self.ranks[-1]]
         ranks = [{"rank": r, **{k: res[r][k] for k in
                                 ("param_bytes", "grad_bytes", "optim_bytes", "peak_bytes")},
-                  **{k: res[r].get(k) for k in ("comm_bytes", "comm_bytes_by_op",
-                                                "activation_bytes", "process_peak_bytes")}}
+                  **{k: res[r].get(k) for k in ("comm_bytes", "comm_bytes_by_op", "comm_s",
+                                                "exposed_comm_s", "activation_bytes",
+                                                "process_peak_bytes")}}
                  for r in self.ranks]
         comm = [res[r]["comm_fraction"] for r in self.ranks if res[r]["comm_fraction"] is not None]
+        exposed = [res[r]["exposed_comm_fraction"] for r in self.ranks
+                   if res[r].get("exposed_comm_fraction") is not None]
         bubbles = [res[r]["bubble_fraction"] for r in self.ranks
                    if res[r].get("bubble_fraction") is not None]
         return RunResult({"config": self.cfg.to_dict(), "losses": last["losses"], "ranks": ranks,
                 "step_time_s": max(res[r]["step_time_s"] for r in self.ranks),
                 "comm_fraction": statistics.mean(comm) if comm else 0.0,
+                "exposed_comm_fraction": statistics.mean(exposed) if exposed else None,
                 "bubble_fraction": max(bubbles) if bubbles else None})
 
     def estimate(self):

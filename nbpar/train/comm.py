@@ -9,10 +9,23 @@ usual ring algorithms (Thakur et al. 2005; the accounting of the ZeRO paper):
 all-reduce 2(n-1)/n of the tensor, all-gather and reduce-scatter (n-1)/n of the whole
 (gathered) tensor, broadcast (n-1)/n, send its tensor, recv nothing (its sender counts it).
 
+The same meter times the step's communication, whatever launched it: an op is in flight
+from its launch until its Work completes (the Future's callback, on the backend's thread)
+or, for a functional collective, until its ``wait_tensor`` returns. ``comm_s`` is the
+length of the union of those intervals; ``exposed_comm_s`` the part of it during which no
+compute op (any other op that passed the dispatcher) ran on this rank, i.e. communication
+that compute did not hide. Python between ops counts as not hiding it, so exposed time is
+an upper bound, and the metered step is slower than the others (every op goes through
+Python): both figures are shares of that step, reported beside its own time.
+
 A dispatch mode sends every op of the step through Python, so a run meters one sampled
 step (the loop's choice), not all of them.
 """
 from __future__ import annotations
+
+import bisect
+import threading
+import time
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -103,25 +116,158 @@ def moved_bytes(op: str, args) -> tuple[str, float] | None:
     return kind, whole * factor(n)
 
 
-class CommMeter(TorchDispatchMode):
-    """Count the bytes each kind of c10d op moves while active (see module doc)."""
+def union_s(intervals) -> float:
+    """Length of the union of (start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
 
-    def __init__(self):
+
+def uncovered_s(intervals, cover) -> float:
+    """Length of the union of ``intervals`` minus the union of ``cover``."""
+    merged = []
+    for a, b in sorted(cover):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    starts = [m[0] for m in merged]
+    total = 0.0
+    # walk the union of intervals, subtracting the covered parts
+    end = float("-inf")
+    for a, b in sorted(intervals):
+        a = max(a, end)
+        if b <= a:
+            continue
+        end = b
+        covered = 0.0
+        i = max(bisect.bisect_right(starts, a) - 1, 0)
+        while i < len(merged) and merged[i][0] < b:
+            lo, hi = max(a, merged[i][0]), min(b, merged[i][1])
+            covered += max(0.0, hi - lo)
+            i += 1
+        total += (b - a) - covered
+    return total
+
+
+def _work_of(out):
+    """The c10d Work among a c10d op's outputs (a boxed TorchScript object), or None."""
+    from torch._C._distributed_c10d import Work
+
+    for o in out if isinstance(out, (list, tuple)) else (out,):
+        if type(o).__name__ == "ScriptObject" and "Work" in o._type().name():
+            return Work.unbox(o)
+    return None
+
+
+class CommMeter(TorchDispatchMode):
+    """Count the bytes each kind of c10d op moves while active, and time the
+    communication in flight and exposed (see module doc)."""
+
+    def __init__(self, clock=time.perf_counter):
         super().__init__()
         self.bytes_by_op: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._flight: list[list[float | None]] = []  # [start, end]; end None until done
+        self._pending: dict[int, list] = {}  # functional collective output -> its interval
+        self._compute: list[tuple[float, float]] = []
+        self._closed_at: float | None = None
+        self._polled: list = []  # (Work, interval) of Works that have no Future
+        self._poller: threading.Thread | None = None
+
+    def _done(self, interval, _fut=None) -> None:
+        with self._lock:
+            if interval[1] is None:
+                interval[1] = self.clock()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace in ("c10d", "_c10d_functional"):
-            name = func.__name__.split(".")[0]
-            args_ = list(args) + list((kwargs or {}).values())
-            moved = (moved_bytes if func.namespace == "c10d" else functional_moved_bytes)(
-                name, args_)
-            if moved is not None:
-                kind, nbytes = moved
-                self.bytes_by_op[kind] = self.bytes_by_op.get(kind, 0.0) + nbytes
-                self.calls[kind] = self.calls.get(kind, 0) + 1
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if func.namespace not in ("c10d", "_c10d_functional"):
+            t0 = self.clock()
+            out = func(*args, **kwargs)
+            self._compute.append((t0, self.clock()))
+            return out
+        name = func.__name__.split(".")[0]
+        if func.namespace == "_c10d_functional" and name == "wait_tensor":
+            out = func(*args, **kwargs)
+            interval = self._pending.pop(id(args[0]), None)
+            if interval is not None:
+                self._done(interval)
+            return out
+        args_ = list(args) + list(kwargs.values())
+        moved = (moved_bytes if func.namespace == "c10d" else functional_moved_bytes)(
+            name, args_)
+        if moved is None:
+            return func(*args, **kwargs)
+        kind, nbytes = moved
+        self.bytes_by_op[kind] = self.bytes_by_op.get(kind, 0.0) + nbytes
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        interval = [self.clock(), None]
+        self._flight.append(interval)
+        out = func(*args, **kwargs)
+        if func.namespace == "_c10d_functional":
+            self._pending[id(out)] = interval
+            return out
+        work = _work_of(out)
+        if work is None or work.is_completed():
+            self._done(interval)
+            return out
+        try:
+            work.get_future().add_done_callback(lambda fut: self._done(interval))
+        except RuntimeError:  # some Works have no Future (gloo's send/recv): poll them
+            self._poll(work, interval)
+        return out
+
+    def _poll(self, work, interval) -> None:
+        """Watch a Work without a Future from a side thread, every millisecond."""
+        with self._lock:
+            self._polled.append((work, interval))
+            if self._poller is not None:
+                return
+            self._poller = threading.Thread(target=self._poll_loop, daemon=True,
+                                            name="nbpar-comm-poll")
+        self._poller.start()
+
+    def _poll_loop(self) -> None:
+        while True:
+            with self._lock:
+                for work, interval in self._polled:
+                    if interval[1] is None and work.is_completed():
+                        interval[1] = self.clock()
+                self._polled = [p for p in self._polled if p[1][1] is None]
+                if self._closed_at is not None:
+                    self._poller = None
+                    return
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self._closed_at = self.clock()
+            poller = self._poller
+        if poller is not None:
+            poller.join()
+        return super().__exit__(*exc)
+
+    def _intervals(self) -> list[tuple[float, float]]:
+        """In-flight intervals; an op not done when the meter closed ends there."""
+        end = self._closed_at if self._closed_at is not None else self.clock()
+        with self._lock:
+            return [(a, max(a, min(b, end)) if b is not None else max(a, end))
+                    for a, b in self._flight]
+
+    def comm_s(self) -> float:
+        """Seconds with at least one op of this rank in flight."""
+        return union_s(self._intervals())
+
+    def exposed_comm_s(self) -> float:
+        """Seconds with an op in flight and no compute op running on this rank."""
+        return uncovered_s(self._intervals(), self._compute)
 
     def total(self) -> int:
         return int(round(sum(self.bytes_by_op.values())))

@@ -85,6 +85,12 @@ def _agree_to_stop(should_stop, dev, world: int) -> bool:
     return bool(flag.item())
 
 
+def _share(seconds, record) -> float:
+    """``seconds`` as a share of ``record``'s step time, in [0, 1]."""
+    step = record.get("step_time_s") or 0.0
+    return min(1.0, seconds / step) if step > 0 and seconds is not None else 0.0
+
+
 def run_training(cfg: TrainConfig | dict, *, publish=None, should_stop=None,
                  on_finish=None) -> dict:
     """Train ``cfg`` on this rank and return its summary (see module docstring).
@@ -161,6 +167,7 @@ def _loop(cfg, runner, batches, mesh, dims, rank, world, dev, pg_backend, publis
                   **runner.memory(), **memory_snapshot(pg_backend), "time": time.time()}
         if step == metered:  # this step ran slower: every op went through Python
             record.update(comm_bytes=comm.total(), comm_bytes_by_op=comm.by_op(),
+                          comm_in_flight_s=comm.comm_s(), exposed_comm_s=comm.exposed_comm_s(),
                           comm_metered=True, **mem.figures())
             if "activation_peak_bytes" in record:  # a pipeline counts its own, per stage
                 record["activation_bytes"] = record["activation_peak_bytes"]
@@ -195,7 +202,14 @@ def _loop(cfg, runner, batches, mesh, dims, rank, world, dev, pg_backend, publis
         # bytes this rank sent in one training step (the metered one), by kind of op
         "comm_bytes": comm.total() if comm is not None else None,
         "comm_bytes_by_op": comm.by_op() if comm is not None else None,
-        "comm_fraction": min(1.0, total_comm / total_step) if total_step > 0 else 0.0,
+        # communication of the metered step, whatever strategy launched it: seconds with an
+        # op in flight, the part no compute hid, and the first as a share of that step
+        "comm_s": metered_rec.get("comm_in_flight_s"),
+        "exposed_comm_s": metered_rec.get("exposed_comm_s"),
+        "comm_fraction": _share(metered_rec.get("comm_in_flight_s"), metered_rec) if metered_rec
+        else (min(1.0, total_comm / total_step) if total_step > 0 else 0.0),
+        "exposed_comm_fraction": _share(metered_rec.get("exposed_comm_s"), metered_rec)
+        if metered_rec else None,
         "bubble_fraction": bubble() if callable(bubble) else None,
         "history": history,
     }

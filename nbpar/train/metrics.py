@@ -12,6 +12,7 @@ import threading
 import time
 
 from nbpar import device
+from nbpar.train.comm import union_s
 
 
 def memory_snapshot(pg_backend: str) -> dict[str, int]:
@@ -30,17 +31,6 @@ def step_peak_bytes(record: dict) -> int:
     return max(states, record.get("tracked_peak_bytes") or 0)
 
 
-def _union_length(intervals, lo: float, hi: float) -> float:
-    """Total length of the union of [start, end) intervals, clipped to [lo, hi]."""
-    total, cur_end = 0.0, lo
-    for start, end in sorted(intervals):
-        start, end = max(start, cur_end), min(end, hi)
-        if end > start:
-            total += end - start
-            cur_end = end
-    return total
-
-
 class CommTimer:
     """Wall time during which at least one collective of this rank was in flight.
 
@@ -49,8 +39,9 @@ class CommTimer:
     runs). ``comm_s`` is the length of the union of those intervals inside the
     step, so overlapping buckets are not double counted. It includes comm that
     overlaps with backward compute (DDP's bucketed all-reduce) as well as
-    exposed comm (the loss all-reduce), so ``comm_fraction = comm_s / step_s``
-    is an upper bound on the exposed share; always in [0, 1].
+    exposed comm (the loss all-reduce). It runs on every step for the live
+    view; a run's reported ``comm_s``/``exposed_comm_s`` come from the metered step's
+    `nbpar.train.comm.CommMeter`, which sees every strategy's ops.
     """
 
     def __init__(self):
@@ -95,7 +86,8 @@ class CommTimer:
     def comm_s(self) -> float:
         with self._lock:
             intervals = list(self._intervals)
-        return _union_length(intervals, self._t0, self._t1)
+        return union_s([(max(a, self._t0), min(b, self._t1)) for a, b in intervals
+                        if min(b, self._t1) > max(a, self._t0)])
 
     def fraction(self) -> float:
         step = self._t1 - self._t0

@@ -18,7 +18,8 @@ COLUMNS = (("label", "run"), ("steps", "steps"), ("global_batch", "global batch"
            ("precision", "precision"), ("peak_bytes", "peak/rank"),
            ("param_bytes", "params/rank"), ("grad_bytes", "grads/rank"),
            ("optim_bytes", "optim/rank"), ("step_time_s", "step time"),
-           ("comm_fraction", "comm"), ("final_loss", "final loss"))
+           ("comm_fraction", "comm"), ("exposed_comm_fraction", "exposed"),
+           ("comm_bytes", "sent/step/rank"), ("final_loss", "final loss"))
 FONT = 11  # points: the figure is shown about its own width, so this is what you read
 
 
@@ -29,7 +30,7 @@ def _fmt(key: str, value) -> str:
         return format_bytes(value)
     if key == "step_time_s":
         return f"{value * 1e3:.1f} ms"
-    if key == "comm_fraction":
+    if key.endswith("_fraction"):
         return f"{value:.0%}"
     if key == "final_loss":
         return f"{value:.4f}"
@@ -71,7 +72,10 @@ def summarize(obj, label: str | None = None) -> dict:
            "global_batch": global_batch(res), "precision": cfg.get("precision")}
     for key in ("peak_bytes", "param_bytes", "grad_bytes", "optim_bytes"):
         row[key] = max(r[key] for r in ranks)
+    sent = [r["comm_bytes"] for r in ranks if r.get("comm_bytes") is not None]
+    row["comm_bytes"] = max(sent) if sent else None
     row.update(step_time_s=res["step_time_s"], comm_fraction=res["comm_fraction"],
+               exposed_comm_fraction=res.get("exposed_comm_fraction"),
                bubble_fraction=res.get("bubble_fraction"),
                final_loss=res["losses"][-1] if res["losses"] else None)
     return row
@@ -144,7 +148,7 @@ def _figure(rows: list[dict]):
     x = list(range(len(rows)))
     panels = (("peak_bytes", "peak memory per rank", "tab:blue"),
               ("step_time_s", "step time (s)", "tab:gray"),
-              ("comm_fraction", "communication share", "tab:red"),
+              ("exposed_comm_fraction", "exposed communication share", "tab:red"),
               ("final_loss", "final loss", "tab:purple"))
     for ax, (key, title, color) in zip(axes, panels):
         ax.bar(x, [r[key] if r[key] is not None else 0.0 for r in rows], color=color)
@@ -186,6 +190,8 @@ def describe(res: dict) -> list[str]:
                      f"(all {len(losses)} values: ['losses'])")
     timing = f"step time {_fmt('step_time_s', res['step_time_s'])}, communication " \
              f"{_fmt('comm_fraction', res['comm_fraction'])}"
+    if res.get("exposed_comm_fraction") is not None:
+        timing += f" ({_fmt('exposed_comm_fraction', res['exposed_comm_fraction'])} exposed)"
     if res.get("bubble_fraction") is not None:
         timing += f", pipeline bubble {res['bubble_fraction']:.0%}"
     lines.append(timing)
