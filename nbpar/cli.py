@@ -101,6 +101,10 @@ def build_parser() -> _Parser:
     e.add_argument("--offload", choices=("none", "optimizer", "params"), default="none")
     e.add_argument("--json", action="store_true")
 
+    from nbpar.simulate.cli import add_parser as add_simulate_parser
+
+    add_simulate_parser(sub, _positive_int, _positive_float)
+
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     bl = bsub.add_parser("launch", help="pool start-up and cell latency vs raw ipyparallel")
@@ -181,6 +185,15 @@ def cmd_estimate(args) -> dict:
     return est.to_json()
 
 
+def cmd_simulate(args) -> dict:
+    from nbpar.simulate.cli import run
+
+    try:
+        return run(args)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
 def cmd_bench(args) -> dict:
     from nbpar.bench.launch import bench_launch
 
@@ -216,7 +229,8 @@ def main(argv=None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-        handler = {"train": cmd_train, "estimate": cmd_estimate, "bench": cmd_bench}
+        handler = {"train": cmd_train, "estimate": cmd_estimate, "bench": cmd_bench,
+                   "simulate": cmd_simulate}
         out = handler[args.command](args)
     except UsageError as err:
         print(f"nbpar: error: {err}", file=sys.stderr)
