@@ -15,11 +15,13 @@ class EngineDied(PoolError):
 
 
 class DistTimeout(PoolError, TimeoutError):
-    """A cell or collective did not finish in time on some ranks."""
+    """A cell or collective did not finish in time on some ranks; ``report`` is the hang
+    doctor's look at every rank (None when it could not look)."""
 
-    def __init__(self, message: str, ranks=()):
+    def __init__(self, message: str, ranks=(), report=None):
         super().__init__(message)
         self.ranks = list(ranks)
+        self.report = report
 
 
 class RankError(RuntimeError):

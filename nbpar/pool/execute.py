@@ -11,6 +11,8 @@ import sys
 import time
 
 from nbpar.errors import DistTimeout, EngineDied, PoolError, RankError
+from nbpar.pool.stream import LiveOutput
+from nbpar.pool.stream import metadata_of as _metadata
 
 #: Seconds to let the other ranks finish after one rank failed.
 GRACE_S = 2.0
@@ -60,12 +62,6 @@ class DistResult:
         return self.text() or f"<DistResult ranks={self.ranks} (no output)>"
 
 
-def _metadata(ar) -> dict:
-    """One engine's metadata (an AsyncResult over a one-engine list view gives a list)."""
-    md = ar.metadata
-    return md[0] if isinstance(md, list) else md
-
-
 def _failure(ar):
     """(ename, evalue, traceback lines) of a finished, failed AsyncResult."""
     try:
@@ -97,13 +93,7 @@ def wait_all(pool, ars: dict, timeout: float | None, *, interruptible: bool = Tr
                 failed = dead
                 break
             if timeout is not None and time.monotonic() - start > timeout:
-                done = sorted(set(ars) - set(pending))
-                raise DistTimeout(
-                    f"rank(s) {pending} did not finish within {timeout:g} s"
-                    + (f" (rank(s) {done} did)" if done else "")
-                    + "; a rank waiting in a collective stays blocked until the process-"
-                    "group timeout: run `%dist restart` (or pool.restart()) to continue now",
-                    pending)
+                raise _timed_out(pool, ars, pending, timeout)
             if on_poll is not None and time.monotonic() > quiet_until:
                 on_poll()
             # one wake-up when everything is done (``whole``: the AsyncResult of all ranks)
@@ -134,6 +124,28 @@ def wait_all(pool, ars: dict, timeout: float | None, *, interruptible: bool = Tr
     raise err
 
 
+def _diagnosis(pool):
+    """(the doctor's report or None, its one line) — never raises: it explains an error."""
+    from nbpar.pool.doctor import ask
+
+    try:
+        report = ask(pool)
+    except Exception as err:
+        return None, f"the doctor could not look at the ranks ({err})"
+    return report, report.diagnosis
+
+
+def _timed_out(pool, ars, pending, timeout) -> DistTimeout:
+    done = sorted(set(ars) - set(pending))
+    report, why = _diagnosis(pool)
+    return DistTimeout(
+        f"rank(s) {pending} did not finish within {timeout:g} s"
+        + (f" (rank(s) {done} did)" if done else "") + f": {why}"
+        + "; a rank waiting in a collective stays blocked until the process-group timeout: "
+        "run `%dist restart` (or pool.restart()) to continue now (`%dist doctor` for stacks)",
+        pending, report=report)
+
+
 def interrupt(pool, ranks, ars, wait_s: float = 3.0) -> None:
     """Send SIGINT to the engines of ``ranks``; report ranks that stay stuck."""
     if not ranks:
@@ -151,12 +163,17 @@ def interrupt(pool, ranks, ars, wait_s: float = 3.0) -> None:
         time.sleep(0.05)
     stuck = [r for r in ranks if not ars[r].ready()]
     if stuck:
-        print(f"nbpar: rank(s) {stuck} did not stop (stuck in a collective?): run "
+        print(f"nbpar: rank(s) {stuck} did not stop ({_diagnosis(pool)[1]}): run "
               f"`%dist restart` to get the pool back", file=sys.stderr)
 
 
-def run_cell(pool, code: str, ranks, timeout: float | None) -> DistResult:
-    """Execute ``code`` on ``ranks`` (each in its engine's namespace)."""
+def run_cell(pool, code: str, ranks, timeout: float | None,
+             stream: bool | None = None) -> DistResult:
+    """Execute ``code`` on ``ranks`` (each in its engine's namespace).
+
+    ``stream``: show each rank's lines while the cell runs (default: in a Jupyter
+    kernel); the grouped output replaces them at the end.
+    """
     busy = pool.busy_ranks(ranks)
     if busy:
         raise PoolError(f"rank(s) {busy} are still running an earlier cell (maybe stuck in a "
@@ -171,14 +188,24 @@ def run_cell(pool, code: str, ranks, timeout: float | None) -> DistResult:
     from nbpar.view.logplot import LogPlot
 
     plot = LogPlot(ars, show=True)  # draws nbpar.log(...) records live, if any
+    live = LiveOutput(ars, stream)
+
+    def poll():
+        plot.poll()
+        live.poll()
+
     try:
-        wait_all(pool, ars, timeout, on_poll=plot.poll, whole=ar)
-    except RankError:
+        wait_all(pool, ars, timeout, on_poll=poll, whole=ar)
+    except RankError as err:
+        pool.note_failure(err.ranks)
         done = [r for r in ranks if ars[r].ready() and ars[r].wait_for_output(OUTPUT_WAIT_S)]
         plot.finish()
+        if len(done) == len(ranks):  # else the live area still shows the running ranks
+            live.finish()
         DistResult(done, [_metadata(ars[r]) for r in done]).render()
         raise
     ar.wait_for_output(OUTPUT_WAIT_S)  # the reply can arrive before the last output
+    live.finish()
     metadata = [_metadata(ars[r]) for r in ranks]
     if any(md.get("data") for md in metadata):  # something was logged with nbpar.log
         plot.finish()

@@ -1,7 +1,7 @@
 """IPython magics: ``%%dist`` runs a cell on every rank, ``%dist`` manages the pool.
 
-    %%dist [--targets 0,1] [--timeout S] [--rank0]
-    %dist status | start [N] | restart | shutdown
+    %%dist [--targets 0,1] [--timeout S] [--rank0] [--stream | --no-stream]
+    %dist status | start [N] | restart | shutdown | doctor | debug N
 """
 from __future__ import annotations
 
@@ -23,6 +23,10 @@ def _cell_parser() -> _Parser:
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds before the cell gives up (default: the pool's)")
     p.add_argument("--rank0", action="store_true", help="show only rank 0's output")
+    p.add_argument("--stream", action="store_true", default=None,
+                   help="show each rank's lines while the cell runs (default in Jupyter)")
+    p.add_argument("--no-stream", dest="stream", action="store_false",
+                   help="show the output only when the cell ends")
     return p
 
 
@@ -37,12 +41,13 @@ class DistMagics(Magics):
         if args.timeout is not None and args.timeout <= 0:
             raise ValueError(f"%%dist: --timeout must be positive, got {args.timeout:g}")
         pool = pool_mod.current()
-        result = pool.execute(cell, targets=args.targets, timeout=args.timeout)
+        result = pool.execute(cell, targets=args.targets, timeout=args.timeout,
+                              stream=args.stream)
         result.render([0] if args.rank0 else None)
 
     @line_magic("dist")
     def dist_line(self, line):
-        """%dist status | start [N] | restart | shutdown"""
+        """%dist status | start [N] | restart | shutdown | doctor | debug N"""
         from IPython.display import display
 
         import nbpar
@@ -55,11 +60,17 @@ class DistMagics(Magics):
             pool = nbpar.Pool(n)
             self.shell.user_ns.setdefault("pool", pool)
             return pool
-        if cmd not in ("status", "restart", "shutdown"):
+        if cmd not in ("status", "restart", "shutdown", "doctor", "debug"):
             raise ValueError(f"%dist: unknown command {cmd!r}; use status, start [N], "
-                             f"restart or shutdown")
+                             f"restart, shutdown, doctor or debug N")
         pool = pool_mod.current()
-        if cmd == "status":
+        if cmd == "doctor":
+            display(pool.doctor())
+        elif cmd == "debug":
+            from nbpar.pool.postmortem import debug_in_notebook
+
+            debug_in_notebook(pool, words[1:])
+        elif cmd == "status":
             display(pool)
         elif cmd == "restart":
             pool.restart()

@@ -242,6 +242,7 @@ class Pool:
                 time.sleep(0.05)
             self._engine_ids = sorted(fresh)[: self.n]
         self._rendezvous()
+        self.failed_ranks = set()
         return self.activate()
 
     def shutdown(self) -> None:
@@ -293,13 +294,17 @@ class Pool:
                              f"0..{self.n - 1}")
         return sorted(set(targets))
 
-    def execute(self, code: str, targets=None, timeout: float | None = None):
-        """Run ``code`` on the target ranks; return a DistResult (raises on error)."""
+    def execute(self, code: str, targets=None, timeout: float | None = None,
+                stream: bool | None = None):
+        """Run ``code`` on the target ranks; return a DistResult (raises on error).
+
+        ``stream``: show each rank's lines live (default: in a Jupyter kernel).
+        """
         from nbpar.pool.execute import run_cell
 
         self._check_open()
         return run_cell(self, code, self.ranks(targets),
-                        self.timeout if timeout is None else timeout)
+                        self.timeout if timeout is None else timeout, stream)
 
     def run(self, fn, *args, targets=None, timeout: float | None = None, **kwargs) -> list:
         """Call ``fn(*args, **kwargs)`` on each target rank; results in rank order."""
@@ -315,6 +320,12 @@ class Pool:
     def _init_requests(self) -> None:
         self._inflight: dict = {}  # rank -> the AsyncResult of its latest cell or run
         self._views: dict = {}     # (engine ids, ranks) -> DirectView
+        self.failed_ranks: set[int] = set()  # ranks of the last failed cell (%dist debug)
+        self._store: tuple = (None, None)  # ((addr, port), the kernel's store connection)
+
+    def note_failure(self, ranks) -> None:
+        """Remember the ranks whose cell raised last: their tracebacks can be debugged."""
+        self.failed_ranks = set(ranks)
 
     def track(self, ars: dict) -> None:
         """Remember ``ars`` (rank -> AsyncResult) as what each rank is running now."""
@@ -334,6 +345,19 @@ class Pool:
             views[key] = self.client.direct_view([self._engine_ids[r] for r in ranks])
         return views[key]
 
+    def store(self):
+        """The kernel's client connection to the rendezvous store (made once per group):
+        where `Run.stop` raises its flag and the doctor asks the ranks where they are."""
+        import datetime
+
+        import torch.distributed as dist
+
+        key = (self.addr, self.rendezvous_port)
+        if self._store[0] != key:
+            self._store = (key, dist.TCPStore(self.addr, self.rendezvous_port, is_master=False,
+                                              timeout=datetime.timedelta(seconds=10)))
+        return self._store[1]
+
     def dead_ranks(self) -> list[int]:
         alive = set(self.client.ids)
         return [r for r, eid in enumerate(self._engine_ids) if eid not in alive]
@@ -342,6 +366,14 @@ class Pool:
         return self._engine_ids[rank]
 
     # -- looking at it -----------------------------------------------------
+    def doctor(self, abort: bool = False):
+        """While a cell or run is in progress: every rank's stack and recent collectives,
+        and which rank diverged. ``abort=True`` (nccl) aborts the communicators too."""
+        from nbpar.pool.doctor import doctor
+
+        self._check_open()
+        return doctor(self, abort)
+
     def status(self) -> list[dict]:
         """One dict per rank: rank, host, pid, device, state, memory; no engine round trip."""
         from nbpar.pool.status import pool_status

@@ -16,10 +16,6 @@ import uuid
 
 from nbpar.pool.execute import OUTPUT_WAIT_S, wait_all
 
-# Process-wide registry (the kernel): one client connection to each pool's rendezvous
-# store, where `Run.stop` raises the flag that every rank checks between steps.
-_stop_stores: dict = {}
-
 
 def train_on_engine(cfg: dict, run_id: str, models: dict | None = None) -> dict:
     """Engine side: run_training with publication and a stop flag; ``models`` are the
@@ -114,7 +110,7 @@ class Run:
 
     def stop(self) -> None:
         """Ask every rank to stop after its current step."""
-        store = _client_store(self.pool)
+        store = self.pool.store()
         store.set(f"stop/{self.run_id}", "1")
 
     def result(self) -> dict:
@@ -178,18 +174,6 @@ class Run:
         state = "done" if self.done() else "running"
         return (f"<nbpar.Run {self.cfg.strategy}/{self.cfg.backend} {self.cfg.model}: "
                 f"{len(steps)}/{self.cfg.steps} steps, {state}>")
-
-
-def _client_store(pool):
-    import datetime
-
-    import torch.distributed as dist
-
-    key = (id(pool), pool.addr, pool.rendezvous_port)
-    if key not in _stop_stores:
-        _stop_stores[key] = dist.TCPStore(pool.addr, pool.rendezvous_port, is_master=False,
-                                          timeout=datetime.timedelta(seconds=10))
-    return _stop_stores[key]
 
 
 def start_run(pool, cfg=None, **overrides) -> Run:

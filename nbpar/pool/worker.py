@@ -80,8 +80,10 @@ def join(rank: int, world_size: int, addr: str, port: int, backend: str,
     import torch.distributed as dist
 
     from nbpar import device
+    from nbpar.pool import snapshot
 
     os.environ.update(env)
+    snapshot.enable_recorder()
     if rank != 0:
         leave()
         store = dist.TCPStore(addr, port, is_master=False,
@@ -104,6 +106,7 @@ def join(rank: int, world_size: int, addr: str, port: int, backend: str,
                             world_size=world_size, timeout=timedelta(seconds=timeout_s))
     if watch and watch.get("host") == host:
         _watch_client(watch["pid"], watch.get("also_kill", ()))
+    snapshot.serve(addr, port, rank, backend)  # answers pool.doctor() from a side thread
     _state.update(rank=rank, world_size=world_size, backend=backend)
     return {"rank": rank, "host": host, "pid": os.getpid(), "device": dev,
             "local_rank": local_rank, "backend": backend, "addr": addr, "port": port,

@@ -1,0 +1,76 @@
+"""Live output of a running ``%%dist`` cell.
+
+While the cell runs, each rank's new stdout and stderr lines appear, prefixed
+``[rank N]``, in one display area that is updated in place (as ``%px`` streams).
+When the cell ends, the area is emptied and the output grouped per rank in rank
+order replaces it, so a saved notebook shows the same output however fast the
+ranks were. Nothing is read before the first poll (a short cell pays nothing).
+"""
+from __future__ import annotations
+
+from collections import deque
+
+#: Lines the live area keeps (the grouped output at the end has all of them).
+LIVE_LINES = 200
+STREAMS = ("stdout", "stderr")
+
+
+def metadata_of(ar) -> dict:
+    """One engine's metadata (an AsyncResult over a one-engine list view gives a list).
+
+    ipyparallel appends each ``stream`` message to it as the message arrives.
+    """
+    md = ar.metadata
+    return md[0] if isinstance(md, list) else md
+
+
+def in_kernel() -> bool:
+    """True inside a Jupyter kernel, where a display area can be updated in place."""
+    from IPython import get_ipython
+
+    return getattr(get_ipython(), "kernel", None) is not None
+
+
+class LiveOutput:
+    """New complete lines of every rank, shown in one display area while a cell runs."""
+
+    def __init__(self, ars: dict, show: bool | None = None):
+        self.ars = ars
+        self.show = in_kernel() if show is None else show
+        self.seen = {(r, name): 0 for r in ars for name in STREAMS}
+        self.lines: deque[str] = deque(maxlen=LIVE_LINES)
+        self.handle = None
+
+    def new_lines(self) -> list[str]:
+        """Lines completed since the last call, ``[rank N]``-prefixed, rank by rank."""
+        out = []
+        for r, ar in self.ars.items():
+            md = metadata_of(ar)
+            for name in STREAMS:
+                text = md.get(name) or ""
+                start, end = self.seen[r, name], text.rfind("\n") + 1
+                if end > start:
+                    out += [f"[rank {r}] {line}" for line in text[start:end].splitlines()]
+                    self.seen[r, name] = end
+        return out
+
+    def poll(self) -> None:
+        if not self.show:
+            return
+        new = self.new_lines()
+        if not new:
+            return
+        self.lines.extend(new)
+        data = {"text/plain": "\n".join(self.lines)}
+        if self.handle is None:
+            from IPython.display import display
+
+            self.handle = display(data, raw=True, display_id=True)
+        else:
+            self.handle.update(data, raw=True)
+
+    def finish(self) -> None:
+        """Empty the live area: the grouped output that follows replaces it."""
+        if self.handle is not None:
+            self.handle.update({"text/plain": ""}, raw=True)
+            self.handle = None

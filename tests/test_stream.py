@@ -1,0 +1,92 @@
+"""%%dist shows each rank's lines while the cell runs, then the grouped output."""
+from __future__ import annotations
+
+import time
+
+import pytest
+from IPython.core.displaypub import CapturingDisplayPublisher
+from IPython.testing.globalipapp import get_ipython
+
+pytestmark = pytest.mark.timeout(180)
+
+SLOW_CELL = ("import time, torch.distributed as dist\nr = dist.get_rank()\n"
+             "for i in range(3):\n    print('tick', i, flush=True)\n    time.sleep(0.8)\n"
+             "import sys; print('warn', r, file=sys.stderr)\n")
+
+
+class TimedPublisher(CapturingDisplayPublisher):
+    """Every display publication with the time it was made."""
+
+    def publish(self, data, metadata=None, source=None, *, transient=None, update=False):
+        super().publish(data, metadata, source, transient=transient, update=update)
+        self.outputs[-1]["time"] = time.monotonic()
+
+
+@pytest.fixture(scope="module")
+def ip():
+    shell = get_ipython()
+    shell.run_line_magic("load_ext", "nbpar")
+    return shell
+
+
+@pytest.fixture
+def pub(ip, monkeypatch):
+    rec = TimedPublisher(shell=ip)
+    monkeypatch.setattr(ip, "display_pub", rec)
+    # ipyparallel forwards the comms of widgets made on engines only when a kernel is
+    # present, and reads `shell.kernel` to know: say "none" as a terminal shell would
+    monkeypatch.setattr(ip, "kernel", None, raising=False)
+    return rec.outputs
+
+
+def test_lines_arrive_while_the_cell_runs_then_grouped_output_replaces_them(ip, pool, pub,
+                                                                             capsys):
+    pool.activate()
+    ip.run_cell_magic("dist", "--stream", SLOW_CELL)
+    end = time.monotonic()
+    live = [o for o in pub if o["transient"]]
+    assert live, "no live area was shown"
+    ids = {o["transient"]["display_id"] for o in live}
+    assert len(ids) == 1  # one area, updated in place
+    early = [o for o in live if o["time"] < end - 1.0]  # at least a second before the end
+    text = "\n".join(o["data"]["text/plain"] for o in early)
+    assert "[rank 0] tick 0" in text and "[rank 1] tick 0" in text
+    assert all(o["update"] for o in live[1:])
+    assert live[-1]["data"] == {"text/plain": ""}  # emptied: the grouped output follows
+    out = capsys.readouterr()
+    assert out.out == "".join(f"[rank {r}] tick {i}\n" for r in (0, 1) for i in range(3))
+    assert out.err == "[rank 0] warn 0\n[rank 1] warn 1\n"
+
+
+def test_figures_and_widgets_on_ranks_still_arrive_in_rank_order(ip, pool, pub):
+    pool.activate()
+    ip.run_cell_magic("dist", "--stream", (
+        "import time, ipywidgets, matplotlib.pyplot as plt\n"
+        "get_ipython().run_line_magic('matplotlib', 'inline')\n"
+        "from IPython.display import display\nprint('start', flush=True)\ntime.sleep(0.8)\n"
+        "fig = plt.figure(figsize=(1, 1)); plt.plot([0, dist.get_rank()])\ndisplay(fig)\n"
+        "plt.close(fig)\ndisplay(ipywidgets.IntSlider(value=dist.get_rank()))\n"))
+    shown = [o["data"] for o in pub if not o["transient"]]
+    assert ["image/png" in d for d in shown] == [True, False, True, False]
+    sliders = [d["text/plain"] for d in shown if "image/png" not in d]
+    assert sliders == ["IntSlider(value=0)", "IntSlider(value=1)"]  # rank order
+    assert all("application/vnd.jupyter.widget-view+json" in d for d in shown[1::2])
+
+
+def test_no_live_area_when_streaming_is_off(ip, pool, pub, capsys):
+    pool.activate()
+    ip.run_cell_magic("dist", "--no-stream", SLOW_CELL)
+    assert not [o for o in pub if o["transient"]]
+    assert capsys.readouterr().out.startswith("[rank 0] tick 0\n[rank 0] tick 1\n")
+
+
+def test_streaming_defaults_to_on_only_inside_a_kernel(ip, monkeypatch):
+    from nbpar.pool.stream import LiveOutput
+
+    assert LiveOutput({}).show is False  # a terminal shell has no kernel
+
+    class Kernel:
+        pass
+
+    monkeypatch.setattr(ip, "kernel", Kernel(), raising=False)
+    assert LiveOutput({}).show is True
