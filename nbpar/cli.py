@@ -52,7 +52,8 @@ def _non_negative_float(text: str) -> float:
 
 
 # CLI flag (argparse dest) -> TrainConfig field, for the flags that set one
-TRAIN_FIELDS = ("strategy", "backend", "dp", "tp", "pp", "schedule", "model", "dataset",
+TRAIN_FIELDS = ("strategy", "backend", "dp", "tp", "pp", "schedule", "model", "dataset", "loss",
+                "activation_checkpointing",
                 "steps", "micro_batch", "grad_accum", "lr", "optimizer", "grad_clip",
                 "precision", "offload", "deepspeed_config", "seed", "checkpoint_dir",
                 "checkpoint_every", "resume_from")
@@ -71,8 +72,14 @@ def build_parser() -> _Parser:
     for dim in ("dp", "tp", "pp"):
         t.add_argument(f"--{dim}", type=_positive_int, default=None)
     t.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default=None)
-    t.add_argument("--model", choices=("simple_cnn", "tiny_gpt"), default=None)
-    t.add_argument("--dataset", default=None)
+    t.add_argument("--model", default=None,
+                   help="simple_cnn, tiny_gpt, hf:gpt2, hf:llama or package.module:function")
+    t.add_argument("--model-config", default=None,
+                   help="JSON: an hf family's config fields, a factory's keyword arguments, "
+                        "tiny_gpt's gpt sizes")
+    t.add_argument("--dataset", default=None, help="a built-in name or package.module:function")
+    t.add_argument("--loss", default=None, help="package.module:function(output, target)")
+    t.add_argument("--activation-checkpointing", action="store_true", default=None)
     t.add_argument("--steps", type=_positive_int, default=None)
     t.add_argument("--micro-batch", type=_positive_int, default=None)
     t.add_argument("--grad-accum", type=_positive_int, default=None)
@@ -119,11 +126,13 @@ def train_config(args):
 
     Only the flags given reach the TrainConfig, so a --deepspeed-config decides the rest.
     """
-    from nbpar.config import TrainConfig
+    from nbpar.config import TrainConfig, model_config_fields
 
     given = {name: getattr(args, name) for name in TRAIN_FIELDS
              if getattr(args, name) is not None}
     try:
+        if args.model_config is not None:
+            given.update(model_config_fields(given.get("model", "tiny_gpt"), args.model_config))
         cfg = TrainConfig(**given)
     except (ValueError, TypeError) as err:
         raise UsageError(str(err)) from None
@@ -139,6 +148,9 @@ def train_config(args):
         raise UsageError("--strategy single is the one-process reference: use --engines 1")
     try:
         cfg.validate(engines)
+        from nbpar.train.probe import check_model
+
+        check_model(cfg, 1 if cfg.strategy == "single" else engines)  # before a pool starts
     except (ValueError, TypeError, FileNotFoundError) as err:
         raise UsageError(str(err)) from None
     return cfg, engines

@@ -415,6 +415,25 @@ class TrainConfig:
         return cls(**d, **({"gpt": gpt} if gpt is not None else {}))
 
 
+def model_config_fields(model: str, text: str) -> dict:
+    """TrainConfig fields from a ``--model-config`` JSON object: tiny_gpt's ``gpt`` sizes,
+    else the model's ``model_config``."""
+    import json
+
+    try:
+        sizes = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--model-config is not JSON: {err}") from None
+    if not isinstance(sizes, dict):
+        raise ValueError(f"--model-config must be a JSON object, got {sizes!r}")
+    if model != "tiny_gpt":
+        return {"model_config": sizes}
+    try:
+        return {"gpt": GPTConfig(**sizes)}
+    except TypeError as err:
+        raise ValueError(f"--model-config: {err}") from None
+
+
 def _explicit_fields(cls):
     """Wrap the dataclass ``__init__`` so a TrainConfig remembers which fields were
     given (``_explicit``): a ds_config decides only the others."""

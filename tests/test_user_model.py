@@ -86,3 +86,44 @@ def test_pool_train_refuses_before_the_engines_start(pool):
     with pytest.raises(ValueError, match="does not fit model"):
         pool.train(nbpar.TrainConfig(**{**USER, "dataset": M + "wrong_shape_data"}))
     assert all(s["state"] != "busy" for s in pool.status())
+
+
+def _cli(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "nbpar", "train", *args], capture_output=True,
+                          text=True, timeout=600)
+
+
+FLAGS = ("--model", M + "make_model", "--dataset", M + "make_data", "--loss", M + "mse")
+
+
+def test_cli_trains_the_users_module_like_the_reference():
+    import json
+
+    from nbpar.train.loop import run_training
+
+    out = _cli(*FLAGS, "--model-config", '{"width": 16}', "--strategy", "zero2",
+               "--micro-batch", "8", "--steps", "10", "--lr", "0.01", "--json")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["config"]["model_config"] == {"width": 16}
+    ref = run_training(nbpar.TrainConfig(**USER, model_config={"width": 16}, strategy="single",
+                                         micro_batch=16, steps=10, lr=1e-2))
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]),
+                               atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--model", M + "raises"), "raised RuntimeError: weights file missing"),
+    (("--dataset", M + "wrong_shape_data"), "does not fit model"),
+    (("--model-config", "{width: 3}"), "--model-config is not JSON"),
+    (("--strategy", "tp"), "has no parallel_plan"),
+])
+def test_cli_refuses_bad_input_in_one_line(args, message):
+    flags = dict(zip(FLAGS[::2], FLAGS[1::2]))
+    flags.update(dict(zip(args[::2], args[1::2])))
+    out = _cli(*[x for kv in flags.items() for x in kv], "--json")
+    assert out.returncode == 2 and out.stdout == ""
+    assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
