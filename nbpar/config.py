@@ -265,9 +265,9 @@ class TrainConfig:
             raise ValueError(f"schedule={self.schedule!r} applies only to strategies pipeline and "
                              f"hybrid, not {s!r}")
         if s in GPT_ONLY and self.model == "simple_cnn":
-            raise ValueError(f"strategy {s!r} needs model 'tiny_gpt', an hf:* family or a model "
-                             f"declaring a parallel plan (it splits transformer layers), got "
-                             f"'simple_cnn'")
+            # hf:* and models declaring a parallel plan are split too (checked when built)
+            raise ValueError(f"strategy {s!r} needs model 'tiny_gpt' (it splits transformer "
+                             f"layers), got {self.model!r}")
         if s in PIPELINED and b == "deepspeed" and self.model != "tiny_gpt":
             raise ValueError(f"a DeepSpeed pipeline runs model 'tiny_gpt' only; use "
                              f"backend='torch' for {self.model!r}")

@@ -127,3 +127,27 @@ def test_cli_refuses_bad_input_in_one_line(args, message):
     out = _cli(*[x for kv in flags.items() for x in kv], "--json")
     assert out.returncode == 2 and out.stdout == ""
     assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_the_picker_offers_and_trains_a_registered_model(pool):
+    """The widgets list every registered model and train it on the engines, equal to
+    `pool.train` with the same settings."""
+    from nbpar.view.widgets import StrategyPicker
+
+    nbpar.register_model("picked_net", M + "make_model", dataset=M + "make_data",
+                         loss=M + "mse")
+    picker = StrategyPicker(pool, background=False)
+    options = [value for _, value in picker.fields["model"].options]
+    assert options[:4] == ["simple_cnn", "tiny_gpt", "hf:gpt2", "hf:llama"]
+    assert "picked_net" in options
+    picker.fields["model"].value = "picked_net"
+    picker.fields["strategy"].value = "zero3"
+    picker.fields["steps"].value = "6"
+    assert picker.problems == []
+    run = picker._launch()
+    assert run is not None and run.cfg.model == "picked_net"
+    got = torch.tensor(run.result()["losses"])
+    cfg = nbpar.TrainConfig(model="picked_net", strategy="single", steps=6, seed=0,
+                            micro_batch=2 * run.cfg.micro_batch, lr=run.cfg.lr)
+    ref = torch.tensor(pool.train(cfg).result()["losses"])
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)

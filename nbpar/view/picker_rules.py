@@ -126,3 +126,13 @@ def problems(values: dict, world: int) -> list[str]:
         if not _neutralise(values, named, world):
             break
     return found
+
+
+def model_options(current) -> list[tuple[str, object]]:
+    """The model dropdown: built-ins, Hugging Face families, `nbpar.register_model`
+    names, and the picker's own model when it is a factory."""
+    from nbpar.train.registry import display_name, model_names
+
+    names = model_names()
+    extra = [] if isinstance(current, str) and current in names else [current]
+    return [(display_name(m), m) for m in (*names, *extra)]

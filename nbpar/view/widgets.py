@@ -15,6 +15,7 @@ import traitlets
 
 from nbpar import config as C
 from nbpar.view import picker_rules as R
+from nbpar.view.picker_rules import model_options
 
 _STYLE = {"description_width": "90px"}
 
@@ -56,7 +57,7 @@ class StrategyPicker:
                               style=_STYLE, layout=w.Layout(width="230px"))
 
         degrees = [("auto", 0)] + [(str(i), i) for i in range(1, pool.n + 1)]
-        self.fields = {"model": pick("model", C.MODELS),
+        self.fields = {"model": pick("model", model_options(cfg.model)),
                        "strategy": pick("strategy", C.STRATEGIES),
                        "backend": pick("backend", C.BACKENDS),
                        "schedule": pick("schedule", C.SCHEDULES),
@@ -137,6 +138,8 @@ class StrategyPicker:
                 values[name] = (widget.value or None) if name in R.DEGREES else widget.value
         if not self.applies("schedule"):
             values["schedule"] = C.DEFAULT_SCHEDULE
+        if values["model"] != self._base.model:  # the given sizes, data and loss were its
+            values.update(model_config=None, dataset=None, loss=None)
         return values, box_problems
 
     def config(self) -> C.TrainConfig:
