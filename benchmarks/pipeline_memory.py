@@ -4,7 +4,7 @@
 
 GPipe (Huang et al. 2019) keeps all m micro-batches' saved activations on the
 first stage until the backwards start; 1F1B (PipeDream-Flush, Narayanan et al.
-2019) keeps at most p. Counted by `nbpar.parallel.saved_activations` (bytes
+2021) keeps at most p. Counted by `nbpar.parallel.saved_activations` (bytes
 autograd saves for backward, live until that micro-batch's backward).
 Each repeat runs both schedules on one 2-engine pool (order alternated).
 

@@ -2,7 +2,7 @@
 
 Stage 0 of p=2 with m=4: GPipe (Huang et al. 2019) runs all four forwards
 before any backward, so its peak is four micro-batches' saved activations;
-1F1B (Narayanan et al. 2019) keeps at most p in flight. The per-micro-batch
+1F1B (PipeDream-Flush, Narayanan et al. 2021) keeps at most p in flight. The per-micro-batch
 reference is counted independently, in one process, on a plain forward.
 """
 from __future__ import annotations

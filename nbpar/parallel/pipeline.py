@@ -2,8 +2,9 @@
 
 Layer-wise model parallelism: the blocks of a TinyGPT are cut into ``pp``
 stages (``pp * virtual`` for interleaving); micro-batches flow through them on
-a schedule: GPipe (Huang et al. 2019, fill-drain), 1F1B (PipeDream-Flush,
-Narayanan et al. 2019) or interleaved 1F1B (Megatron-LM, Narayanan et al. 2021).
+a schedule: GPipe (Huang et al. 2019, fill-drain), 1F1B (PipeDream-Flush, from the
+PipeDream-2BW paper, Narayanan et al. 2021) or interleaved 1F1B (Megatron-LM, Narayanan
+et al. 2021).
 Every forward/backward of a micro-batch is timed to measure the bubble.
 """
 from __future__ import annotations
@@ -225,6 +226,10 @@ class PipelineRunner(StepRunner):
     def bubble_fraction(self) -> float:
         """Measured idle share of the pp ranks over the last step."""
         return _timeline.bubble_fraction(self._timeline, self.pp_size)
+
+    def schedule_bubble_fraction(self) -> float:
+        """The part of it the schedule forces with these stage times (no gaps)."""
+        return _timeline.schedule_bubble(self._timeline, self.pp_size)
 
 
 def build_stages(chunks, pp_rank, pp_size, virtual, pp_group, device, autocast_dtype):

@@ -2,7 +2,7 @@
 
 Why a pipeline schedule matters for memory: GPipe (Huang et al. 2019) runs all
 ``m`` forwards before any backward, so a stage holds the saved activations of
-all ``m`` micro-batches at once; 1F1B (PipeDream-Flush, Narayanan et al. 2019)
+all ``m`` micro-batches at once; 1F1B (PipeDream-Flush, Narayanan et al. 2021)
 starts each micro-batch's backward early, so stage ``i`` holds at most ``p - i``.
 
 Accounting, by micro-batch: ``torch.autograd.graph.saved_tensors_hooks`` sees

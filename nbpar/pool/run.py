@@ -131,11 +131,14 @@ class Run:
                    if res[r].get("exposed_comm_fraction") is not None]
         bubbles = [res[r]["bubble_fraction"] for r in self.ranks
                    if res[r].get("bubble_fraction") is not None]
+        forced = [res[r]["schedule_bubble_fraction"] for r in self.ranks
+                  if res[r].get("schedule_bubble_fraction") is not None]
         return RunResult({"config": self.cfg.to_dict(), "losses": last["losses"], "ranks": ranks,
                 "step_time_s": max(res[r]["step_time_s"] for r in self.ranks),
                 "comm_fraction": statistics.mean(comm) if comm else 0.0,
                 "exposed_comm_fraction": statistics.mean(exposed) if exposed else None,
-                "bubble_fraction": max(bubbles) if bubbles else None})
+                "bubble_fraction": max(bubbles) if bubbles else None,
+                "schedule_bubble_fraction": max(forced) if forced else None})
 
     def estimate(self):
         """The analytic memory estimate for this run's model, strategy and degrees."""

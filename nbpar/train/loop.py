@@ -184,6 +184,7 @@ def _loop(cfg, runner, batches, mesh, dims, rank, world, dev, pg_backend, publis
     last.setdefault("peak_bytes", step_peak_bytes(last))
     metered_rec = next((r for r in history if r.get("comm_metered")), {})
     bubble = getattr(runner, "bubble_fraction", None)
+    forced = getattr(runner, "schedule_bubble_fraction", None)
     return {
         "rank": rank,
         "losses": [r["loss"] for r in history],
@@ -211,5 +212,7 @@ def _loop(cfg, runner, batches, mesh, dims, rank, world, dev, pg_backend, publis
         "exposed_comm_fraction": _share(metered_rec.get("exposed_comm_s"), metered_rec)
         if metered_rec else None,
         "bubble_fraction": bubble() if callable(bubble) else None,
+        # the part of the bubble the schedule forces with the measured stage times
+        "schedule_bubble_fraction": forced() if callable(forced) else None,
         "history": history,
     }

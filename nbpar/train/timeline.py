@@ -46,6 +46,55 @@ def bubble_fraction(events: list[dict], p: int) -> float:
     return min(1.0, max(0.0, 1.0 - busy / (p * makespan)))
 
 
+def schedule_bubble(events: list[dict], p: int) -> float:
+    """The bubble the schedule itself forces, with the stage times this step measured.
+
+    Replays the step: every rank runs its F and B boxes in the order it ran them, each
+    as long as it was measured, and starts each as soon as its rank is free and its
+    inputs exist (F of stage s after F of s-1; B of s after F of s and B of s+1), with
+    communication and the time between boxes taken as zero. (p-1)/(m+p-1) assumes
+    stages of equal length as well; this replay keeps the real stage lengths, so
+    ``measured - schedule_bubble`` is what send/recv and per-micro-batch work between
+    boxes added, and ``schedule_bubble - theory`` what unequal stages added. A lower
+    bound of the measured bubble by construction.
+    """
+    if p < 1:
+        raise ValueError(f"p must be >= 1, got {p}")
+    if not events:
+        return 0.0
+    order: dict[int, list[dict]] = defaultdict(list)
+    for e in sorted(events, key=lambda e: e["start"]):
+        order[_row(e)].append(e)
+    last_stage = max(e["stage"] for e in events)
+    done: dict[tuple, float] = {}
+    at = dict.fromkeys(order, 0)
+    free = dict.fromkeys(order, 0.0)
+    busy = 0.0
+    progressed = True
+    while progressed:
+        progressed = False
+        for row, queue in order.items():
+            while at[row] < len(queue):
+                e = queue[at[row]]
+                s, mb = e["stage"], e["microbatch"]
+                needs = [("F", s - 1, mb)] if e["kind"] == "F" and s > 0 else []
+                if e["kind"] == "B":
+                    needs = [("F", s, mb)] + ([("B", s + 1, mb)] if s < last_stage else [])
+                if any(n not in done for n in needs):
+                    break  # waits for another row's box
+                length = e["end"] - e["start"]
+                free[row] = max([free[row]] + [done[n] for n in needs]) + length
+                done[(e["kind"], s, mb)] = free[row]
+                busy += length
+                at[row] += 1
+                progressed = True
+    if any(at[row] < len(q) for row, q in order.items()):
+        raise ValueError("the timeline's boxes cannot be replayed: a box waits for one "
+                         "that never ran")
+    makespan = max(done.values())
+    return min(1.0, max(0.0, 1.0 - busy / (p * makespan))) if makespan > 0 else 0.0
+
+
 def plot_timeline(events: list[dict], ax=None, *, p: int | None = None,
                   m: int | None = None):
     """Gantt chart of one pipeline step: a row per device, F and B boxes.
