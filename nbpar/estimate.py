@@ -119,12 +119,25 @@ def _activations(spec, tp: int, pp: int, element_bytes: int) -> float:
     return math.ceil(v["layers"] / pp) * per_layer * in_flight
 
 
+def count_parameters(model) -> int:
+    """Elements of ``model``'s parameters, each tensor counted once (tied weights once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    return total
+
+
 def estimate_memory(params: float, world_size: int = 1, strategy: str = "ddp", *,
                     dp: int | None = None, tp: int | None = None, pp: int | None = None,
                     optimizer: str = "adam", precision: str = "fp32", offload: str = "none",
                     activations: dict | None = None,
                     backend: str | None = None) -> MemoryEstimate:
     """Bytes each rank holds for parameters, gradients, optimizer states (and activations).
+
+    ``params`` is a count or a model (an ``nn.Module``, e.g. ``build_model(cfg)``: its
+    parameters are counted).
 
     Psi = params / (tp * pp) per model-parallel rank, then the ZeRO stage of `strategy`
     divides over dp. offload="optimizer" moves optimizer states (with mixed precision the
@@ -137,9 +150,11 @@ def estimate_memory(params: float, world_size: int = 1, strategy: str = "ddp", *
     reshards parameters after backward; DeepSpeed reduces gradients into this rank's
     partition from stage 1 on and keeps an fp32 master partition even in fp32 training.
     """
+    params = count_parameters(params) if hasattr(params, "parameters") else params
     if isinstance(params, bool) or not isinstance(params, Real) or not math.isfinite(params) \
             or params <= 0:
-        raise ValueError(f"params must be a positive finite number, got {params!r}.")
+        raise ValueError(f"params must be a positive finite number or a model (nn.Module), "
+                         f"got {params!r}.")
     _choice("strategy", strategy, STRATEGIES)
     _choice("offload", offload, OFFLOADS)
     p_b, g_b, o_b = bytes_per_param(optimizer, precision)

@@ -101,3 +101,14 @@ def test_bad_hf_input_is_one_line(change, message):
         cfg = nbpar.TrainConfig(**change).validate(2)
         check_model(cfg, 2)
     assert "\n" not in str(err.value)
+
+
+def test_estimate_memory_counts_a_models_parameters():
+    cfg = nbpar.TrainConfig(model="hf:llama", model_config=SMALL["hf:llama"])
+    model = build_model(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    by_model = nbpar.estimate_memory(model, 2, "zero3").per_rank_bytes
+    assert by_model == nbpar.estimate_memory(n, 2, "zero3").per_rank_bytes
+    assert by_model["params"] == 4 * n / 2
+    with pytest.raises(ValueError, match="or a model"):
+        nbpar.estimate_memory("llama", 2, "zero3")

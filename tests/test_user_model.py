@@ -151,3 +151,38 @@ def test_the_picker_offers_and_trains_a_registered_model(pool):
                             micro_batch=2 * run.cfg.micro_batch, lr=run.cfg.lr)
     ref = torch.tensor(pool.train(cfg).result()["losses"])
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+NOTEBOOK_CELL = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+WIDTH = 16
+
+def make_model():
+    return nn.Sequential(nn.Linear(8, WIDTH), nn.Tanh(), nn.Linear(WIDTH, 1), nn.Flatten(0))
+
+def make_data():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 8, generator=g)
+    return TensorDataset(x, x.sum(1))
+
+def mse(out, target):
+    return F.mse_loss(out, target)
+'''
+
+
+def test_functions_defined_in_a_notebook_reach_the_engines(pool):
+    """Functions of ``__main__`` (a notebook's cells) travel by value, with the globals
+    they use; registered ones too."""
+    cell = {"__name__": "__main__"}
+    exec(NOTEBOOK_CELL, cell)
+    mine = dict(model=cell["make_model"], dataset=cell["make_data"], loss=cell["mse"])
+    ref = _losses(pool, strategy="single", micro_batch=16, **mine)
+    torch.testing.assert_close(_losses(pool, strategy="ddp", micro_batch=8, **mine), ref,
+                               atol=1e-5, rtol=0)
+    nbpar.register_model("cell_net", mine["model"], dataset=mine["dataset"], loss=mine["loss"])
+    torch.testing.assert_close(_losses(pool, strategy="zero3", micro_batch=8, model="cell_net"),
+                               ref, atol=1e-5, rtol=0)

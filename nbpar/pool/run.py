@@ -65,14 +65,15 @@ class Run:
     """One ``pool.train(cfg)``: live history, ``wait()``, ``stop()``, ``result()``."""
 
     def __init__(self, pool, cfg, ranks):
-        from nbpar.train.registry import entry
+        from nbpar.train.registry import entry, portable_fields
 
         self.pool, self.cfg, self.ranks = pool, cfg, ranks
         self.run_id = uuid.uuid4().hex[:12]
         self.started = time.time()
         self._results = None
         self._ars = {r: pool.client[pool.engine_id(r)].apply_async(
-            train_on_engine, cfg.to_dict(), self.run_id, entry(cfg.model)) for r in ranks}
+            train_on_engine, portable_fields(cfg.to_dict()), self.run_id, entry(cfg.model))
+            for r in ranks}
         pool.track(self._ars)
 
     # -- live state ----------------------------------------------------------

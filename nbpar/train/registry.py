@@ -72,10 +72,44 @@ def registered() -> dict[str, Registered]:
     return dict(_registered)
 
 
+class ByValue:
+    """A callable pickled by value (cloudpickle), with the globals it uses: a function
+    defined in a notebook reaches the engines whole (pickle would send only its name)."""
+
+    def __init__(self, fn):
+        import cloudpickle
+
+        self.blob, self.name, self._fn = cloudpickle.dumps(fn), display_name(fn), None
+
+    def __getstate__(self):
+        return {"blob": self.blob, "name": self.name, "_fn": None}
+
+    def __call__(self, *args, **kwargs):
+        if self._fn is None:
+            import cloudpickle
+
+            self._fn = cloudpickle.loads(self.blob)
+        return self._fn(*args, **kwargs)
+
+
+def portable(value):
+    """``value`` as it can travel to an engine: callables of ``__main__`` by value."""
+    if callable(value) and not isinstance(value, (str, ByValue)) and \
+            getattr(value, "__module__", None) == "__main__":
+        return ByValue(value)
+    return value
+
+
+def portable_fields(cfg_dict: dict) -> dict:
+    """A config dict whose model, dataset and loss reach the engines (`portable`)."""
+    return {**cfg_dict, **{k: portable(cfg_dict[k]) for k in ("model", "dataset", "loss")}}
+
+
 def entry(model) -> dict[str, Registered]:
     """The registration ``model`` needs on an engine ({} if none): ship it with a run."""
     if isinstance(model, str) and model in _registered:
-        return {model: _registered[model]}
+        r = _registered[model]
+        return {model: Registered(portable(r.factory), portable(r.dataset), portable(r.loss))}
     return {}
 
 
@@ -115,6 +149,8 @@ def display_name(model) -> str:
     """A short label for a model spec (a callable's qualified name)."""
     if isinstance(model, str):
         return model
+    if isinstance(model, ByValue):
+        return model.name
     return f"{getattr(model, '__module__', '?')}:{getattr(model, '__qualname__', repr(model))}"
 
 
