@@ -8,6 +8,9 @@ would write by hand: ``ipp.Cluster(n)`` with default settings, then an
 (``view.execute(code, silent=False)``, so values are displayed, as ``%%dist`` does).
 Both pools stay up while cells are timed, and
 the timings alternate between them, so a noisy machine's drift hits both.
+Then, the baseline shut down, ``restart_s``: a hung cell times out, and
+``pool.restart()`` to a completed all_reduce once the spare engines it started
+have registered; ``restart_cold_s``: a restart with no spares prepared.
 """
 from __future__ import annotations
 
@@ -17,6 +20,9 @@ import time
 
 ALLREDUCE = ("import torch, torch.distributed as dist\n"
              "t = torch.ones(1)\ndist.all_reduce(t)")
+#: A cell where rank 1 waits in an all_reduce that rank 0 never joins.
+HANG = ("import torch, torch.distributed as dist\n"
+        "if dist.get_rank() == 1:\n    dist.all_reduce(torch.ones(1))")
 
 
 def _hand_init(port):
@@ -58,6 +64,30 @@ def start_baseline(n: int):
     return cluster, view, time.perf_counter() - t0
 
 
+def time_restart(pool, after_hang: bool = True, settle_s: float = 60.0) -> float:
+    """Seconds from ``pool.restart()`` to a completed all_reduce on the new engines.
+
+    ``after_hang``: as a user meets it: a cell hangs and times out (which starts spare
+    engines), the user reads the message (here: until the spares have registered,
+    at most ``settle_s``), then restarts. Otherwise a restart out of the blue, with
+    no spares: new engines start while the old ones are killed.
+    """
+    from nbpar.errors import DistTimeout
+
+    if after_hang:
+        try:
+            pool.execute(HANG, timeout=1.0)
+        except DistTimeout:
+            pass
+        deadline = time.monotonic() + settle_s
+        while not pool.restart_ready() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    t0 = time.perf_counter()
+    pool.restart()
+    pool.execute(ALLREDUCE)
+    return time.perf_counter() - t0
+
+
 def _timed_ms(fn) -> float:
     t = time.perf_counter()
     fn()
@@ -82,10 +112,13 @@ def bench_launch(engines: int = 2, reps: int = 30) -> dict:
                         cells[f"{who}_ar"].append(ar)
         finally:
             cluster.stop_cluster_sync()
+        restart_s = time_restart(pool)  # the baseline is gone: nothing else runs
+        restart_cold_s = time_restart(pool, after_hang=False)
     finally:
         pool.shutdown()
     med = {k: statistics.median(v) for k, v in cells.items()}
     ours = {"ready_s": ours_ready, "cell_ms": med["ours_cell"], "allreduce_ms": med["ours_ar"]}
     base = {"ready_s": base_ready, "cell_ms": med["base_cell"], "allreduce_ms": med["base_ar"]}
     return {**ours, "baseline": base, "ratio": {k: ours[k] / base[k] for k in ours},
+            "restart_s": restart_s, "restart_cold_s": restart_cold_s,
             "engines": engines, "reps": reps}

@@ -181,4 +181,6 @@ def doctor(pool, abort: bool = False) -> DoctorReport:
     if not pool.busy_ranks():
         raise PoolError("nothing is running on the pool: the doctor looks at ranks while a "
                         "cell or a run is in progress (or stuck)")
-    return ask(pool, abort=abort)
+    report = ask(pool, abort=abort)
+    pool.prepare_restart()  # the doctor's way out is a restart: warm engines for it
+    return report

@@ -20,6 +20,19 @@ GRACE_S = 2.0
 OUTPUT_WAIT_S = 5.0
 #: A cell's live plot of nbpar.log records is first polled after this many seconds.
 POLL_AFTER_S = 0.3
+#: A wait with a timeout this far along imports torch.distributed in the kernel in the
+#: background: the doctor that runs at the timeout needs it (1.5 s or more otherwise).
+WARM_DOCTOR_S = 1.0
+
+
+def _warm_doctor() -> None:
+    import threading
+
+    def warm():
+        import torch.distributed  # noqa: F401
+
+    if "torch.distributed" not in sys.modules:
+        threading.Thread(target=warm, name="nbpar-warm-doctor", daemon=True).start()
 
 
 class DistResult:
@@ -80,6 +93,7 @@ def wait_all(pool, ars: dict, timeout: float | None, *, interruptible: bool = Tr
     start = time.monotonic()
     first_failure = None
     quiet_until = start + POLL_AFTER_S  # short cells never pay for on_poll
+    warm_at = None if timeout is None else start + min(WARM_DOCTOR_S, timeout / 2)
     try:
         while True:
             pending = [r for r, ar in ars.items() if not ar.ready()]
@@ -96,6 +110,9 @@ def wait_all(pool, ars: dict, timeout: float | None, *, interruptible: bool = Tr
                 raise _timed_out(pool, ars, pending, timeout)
             if on_poll is not None and time.monotonic() > quiet_until:
                 on_poll()
+            if warm_at is not None and time.monotonic() > warm_at:
+                warm_at = None
+                _warm_doctor()
             # one wake-up when everything is done (``whole``: the AsyncResult of all ranks)
             (whole if whole is not None else ars[pending[0]]).wait(0.1)
     except KeyboardInterrupt:
@@ -113,12 +130,14 @@ def wait_all(pool, ars: dict, timeout: float | None, *, interruptible: bool = Tr
             pool.restart()
             raise EngineDied(f"the engine of rank(s) {dead} died; the pool was restarted "
                              f"(restart='auto'): run the cell again", dead)
+        pool.prepare_restart()
         raise EngineDied(f"the engine of rank(s) {dead} died; its peers cannot finish their "
                          f"collectives: run `%dist restart` (or pool.restart()) to get a full "
                          f"process group back", dead)
     still = [r for r, ar in ars.items() if not ar.ready()]
     err = RankError({r: e for r, e in errors.items() if e})
     if still:
+        pool.prepare_restart()
         err.add_note(f"rank(s) {still} are still running (probably waiting in a collective "
                      f"for the failed rank): run `%dist restart` before the next cell")
     raise err
@@ -138,6 +157,7 @@ def _diagnosis(pool):
 def _timed_out(pool, ars, pending, timeout) -> DistTimeout:
     done = sorted(set(ars) - set(pending))
     report, why = _diagnosis(pool)
+    pool.prepare_restart()  # a restart is the likely next step: warm engines for it
     return DistTimeout(
         f"rank(s) {pending} did not finish within {timeout:g} s"
         + (f" (rank(s) {done} did)" if done else "") + f": {why}"
@@ -163,6 +183,7 @@ def interrupt(pool, ranks, ars, wait_s: float = 3.0) -> None:
         time.sleep(0.05)
     stuck = [r for r in ranks if not ars[r].ready()]
     if stuck:
+        pool.prepare_restart()
         print(f"nbpar: rank(s) {stuck} did not stop ({_diagnosis(pool)[1]}): run "
               f"`%dist restart` to get the pool back", file=sys.stderr)
 

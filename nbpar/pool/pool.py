@@ -15,6 +15,7 @@ import weakref
 
 from nbpar import device
 from nbpar.errors import PoolError
+from nbpar.pool.engines import EngineSets
 from nbpar.pool.launchers import LAUNCHER_NEEDS  # noqa: F401
 from nbpar.pool.launchers import check_launcher as _check_launcher
 
@@ -179,6 +180,17 @@ class Pool:
         # no progress bar: notebook outputs must stay stable
         self.client.wait_for_engines(self.n, timeout=self.start_timeout, interactive=False)
         self._engine_ids = sorted(self.client.ids)[: self.n]
+        self._sets = EngineSets(cluster, self.n, self.launcher)
+
+    def prepare_restart(self) -> None:
+        """Start spare engines in the background, so that a restart that follows takes
+        well under a second instead of an engine start-up (local engines only)."""
+        if self.owned and not self.closed:
+            self._sets.prepare()
+
+    def restart_ready(self) -> bool:
+        """True once prepared spare engines have registered."""
+        return self.owned and not self.closed and self._sets.ready(self.client)
 
     def _rendezvous(self):
         """Engine 0 opens the store; all engines join the process group."""
@@ -203,6 +215,8 @@ class Pool:
                                 f"{addr}:{port} within {self.start_timeout:.0f} s: "
                                 f"is that address reachable from every engine?")
             self.engines.append({**ar.get(), "engine_id": ids[rank]})
+        if self.owned:
+            self._sets.use(self.client, ids)
         self.addr, self.rendezvous_port = addr, port
 
     def _controller_host(self) -> str:
@@ -230,17 +244,8 @@ class Pool:
         """
         self._check_open()
         if self.owned:
-            self.cluster.stop_engines_sync()
-            # by uuid, not id: MPI engines ask for their rank as id, so ids come back
-            old = dict(self.client._engines)
-            self.cluster.start_engines_sync(self.n)
-            deadline = time.monotonic() + self.start_timeout
-            while len(fresh := [e for e, u in self.client._engines.items()
-                                if old.get(e) != u]) < self.n:
-                if time.monotonic() > deadline:
-                    raise PoolError(f"engines did not come back within {self.start_timeout} s")
-                time.sleep(0.05)
-            self._engine_ids = sorted(fresh)[: self.n]
+            self._engine_ids = self._sets.replace(self.client, self.start_timeout)
+            self._inflight.clear()  # requests of killed engines
         self._rendezvous()
         self.failed_ranks = set()
         return self.activate()
