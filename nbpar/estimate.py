@@ -133,7 +133,7 @@ def estimate_memory(params: float, world_size: int = 1, strategy: str = "ddp", *
                     dp: int | None = None, tp: int | None = None, pp: int | None = None,
                     optimizer: str = "adam", precision: str = "fp32", offload: str = "none",
                     activations: dict | None = None,
-                    backend: str | None = None) -> MemoryEstimate:
+                    backend: str | None = None, tp_replicated: float = 0) -> MemoryEstimate:
     """Bytes each rank holds for parameters, gradients, optimizer states (and activations).
 
     ``params`` is a count or a model (an ``nn.Module``, e.g. ``build_model(cfg)``: its
@@ -149,6 +149,9 @@ def estimate_memory(params: float, world_size: int = 1, strategy: str = "ddp", *
     implementations hold between steps: FSDP2's zero2 (no resharding after forward)
     reshards parameters after backward; DeepSpeed reduces gradients into this rank's
     partition from stage 1 on and keeps an fp32 master partition even in fp32 training.
+    ``tp_replicated``: how many of the parameters tensor parallelism leaves whole on every
+    tp rank (`nbpar.train.plan.tp_replicated_parameters` counts them from a model's plan);
+    the paper's Psi / tp assumes 0.
     """
     params = count_parameters(params) if hasattr(params, "parameters") else params
     if isinstance(params, bool) or not isinstance(params, Real) or not math.isfinite(params) \
@@ -172,7 +175,13 @@ def estimate_memory(params: float, world_size: int = 1, strategy: str = "ddp", *
         shard["grads"] = True
         if p_b == 4:  # fp32 training: the master copy is an extra fp32 partition
             o_b += 4
-    psi = params / (tp * pp)
+    if isinstance(tp_replicated, bool) or not isinstance(tp_replicated, Real) \
+            or not 0 <= tp_replicated <= params:
+        raise ValueError(f"tp_replicated must be a number of parameters in [0, params], "
+                         f"got {tp_replicated!r}.")
+    # Megatron splits the blocks' weight matrices over tp; what it does not split
+    # (embeddings, norms, the output head, row-parallel biases) every tp rank holds whole
+    psi = ((params - tp_replicated) / tp + tp_replicated) / pp
     nbytes = {"params": p_b * psi / (dp if shard["params"] else 1),
               "grads": g_b * psi / (dp if shard["grads"] else 1),
               "optim": o_b * psi / (dp if shard["optim"] else 1)}

@@ -243,3 +243,23 @@ def test_backend_models_what_implementations_hold_between_steps():
     assert mixed.per_rank_bytes["optim"] == 12 * P / N  # master already in K=12
     with pytest.raises(ValueError, match="backend must be"):
         estimate_memory(P, N, "zero1", backend="jax")
+
+
+def test_tensor_parallel_estimate_counts_what_the_plan_leaves_whole():
+    import nbpar
+    from nbpar.estimate import estimate_memory
+    from nbpar.train.models import build_model
+    from nbpar.train.plan import tp_replicated_parameters
+
+    model = build_model(nbpar.TrainConfig())
+    n = sum(p.numel() for p in model.parameters())
+    whole = tp_replicated_parameters(model)
+    g = nbpar.GPTConfig()
+    blocks = g.n_layers * (4 * g.d_model * g.d_model + 3 * g.d_model  # q, k, v, out (+qkv bias)
+                           + 2 * g.ffn_mult * g.d_model * g.d_model + g.ffn_mult * g.d_model)
+    assert n - whole == blocks  # only the blocks' split weights (and colwise biases) shard
+    est = estimate_memory(n, 2, "tp", tp_replicated=whole)
+    assert est.per_rank_bytes["params"] == 4 * ((n - whole) / 2 + whole)
+    assert estimate_memory(n, 2, "tp").per_rank_bytes["params"] == 4 * n / 2  # the paper's
+    with pytest.raises(ValueError, match="tp_replicated"):
+        estimate_memory(n, 2, "tp", tp_replicated=n + 1)

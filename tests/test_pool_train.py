@@ -84,10 +84,15 @@ def test_pipeline_run_reports_its_bubble(pool):
 
 
 @pytest.mark.parametrize("strategy, backend", [("zero2", "torch"), ("zero1", "deepspeed"),
-                                               ("zero3", "deepspeed")])
+                                               ("zero3", "deepspeed"), ("tp", "torch"),
+                                               ("pipeline", "torch")])
 def test_measured_memory_matches_the_estimate(pool, strategy, backend):
+    """Model states within 5% of the estimate, TP included: the estimate counts what the
+    model's tensor-parallel plan leaves whole (embeddings, norms, head: 42% more than
+    Psi / tp for the default tiny_gpt)."""
     run = pool.train(nbpar.TrainConfig(model="tiny_gpt", strategy=strategy, backend=backend,
-                                       micro_batch=4, steps=2))
+                                       micro_batch=4, steps=2,
+                                       grad_accum=2 if strategy == "pipeline" else 1))
     for rank, cmp in run.memory_vs_estimate().items():
         for key, row in cmp.items():
             assert abs(row["rel_error"]) <= 0.05, (rank, key, row)

@@ -69,6 +69,22 @@ def check_tp_degree(model: nn.Module, tp: int) -> None:
                              f"use a tp that divides {width}")
 
 
+def tp_replicated_parameters(model: nn.Module) -> int:
+    """Parameters tensor parallelism leaves whole on every rank: all but the weights its
+    plan splits (a colwise Linear's weight and bias, a rowwise Linear's weight)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    plan = require(model, "tensor")
+    split = 0
+    for block in plan.layers.values():
+        for path, style in plan.tp.items():
+            module = block.get_submodule(path)
+            split += module.weight.numel()
+            if isinstance(style, ColwiseParallel) and getattr(module, "bias", None) is not None:
+                split += module.bias.numel()
+    return sum(p.numel() for p in model.parameters()) - split
+
+
 def run_layers(layers: nn.ModuleDict, h, checkpointing: bool = False, **kwargs):
     """Run ``layers`` in key order; with ``checkpointing`` each block's activations are
     recomputed in backward instead of kept (Chen et al. 2016, non-reentrant)."""
