@@ -69,7 +69,8 @@ class Pool:
     ``port``: rendezvous port (default: a free one); ``replace``: shut down
     the previous current pool (what re-running a notebook cell wants);
     ``restart="auto"``: after an engine dies, bring the pool back by itself
-    (the failed cell or run still raises, so you know to run it again).
+    (the failed cell or run still raises, so you know to run it again); such a
+    pool keeps n spare engines warm for it.
     Other keyword arguments go to ``ipyparallel.Cluster``.
     """
 
@@ -115,6 +116,8 @@ class Pool:
         except BaseException:
             self.shutdown()
             raise
+        if self.auto_restart:  # it restarts by itself: keep warm engines ready for it
+            self.prepare_restart()
         self.activate()
 
     # -- lifecycle ---------------------------------------------------------
@@ -248,6 +251,8 @@ class Pool:
             self._inflight.clear()  # requests of killed engines
         self._rendezvous()
         self.failed_ranks = set()
+        if self.auto_restart:
+            self.prepare_restart()
         return self.activate()
 
     def shutdown(self) -> None:
