@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import threading
+import time
 import traceback
 from datetime import timedelta
 
@@ -22,6 +23,7 @@ RECORDER_ENTRIES = 64
 RECENT = 12
 #: Key prefix of the doctor's requests and answers in the rendezvous store.
 KEY = "nbpar/doctor"
+POLL_S = 0.2  # how often an engine looks for a doctor request
 # Process-wide registry (one per engine): the generation of the serving thread; a
 # re-join starts a new thread and the old one stops at its next wake-up.
 _serving = {"generation": 0}
@@ -119,12 +121,15 @@ def _serve(generation: int, addr: str, port: int, rank: int, backend: str,
     except Exception:
         return
     while _serving["generation"] == generation:
+        # poll with check(), not a blocking wait(): each wait() that times out makes the
+        # C++ store client log a warning to stderr, which would land in every long cell
         try:
-            store.wait([f"{KEY}/req/{done + 1}"], timedelta(seconds=5))
-        except Exception as err:
-            if "timeout" in str(err).lower():
-                continue
+            requested = store.check([f"{KEY}/req/{done + 1}"])
+        except Exception:
             return  # the store is gone: the process group was left or rank 0 died
+        if not requested:
+            time.sleep(POLL_S)
+            continue
         done += 1
         try:
             answer = snapshot(rank, backend, thread_id)
