@@ -104,19 +104,27 @@ def activation_bytes_per_layer(batch: int, seq_len: int, hidden: int, heads: int
 def _activations(spec, tp: int, pp: int, element_bytes: int) -> float:
     if not isinstance(spec, dict):
         raise ValueError(f"activations must be a dict with keys {ACTIVATION_KEYS}, got {spec!r}.")
-    extra = set(spec) - set(ACTIVATION_KEYS) - {"sequence_parallel", "in_flight"}
+    extra = set(spec) - set(ACTIVATION_KEYS) - {"sequence_parallel", "in_flight", "recompute"}
     missing = [k for k in ACTIVATION_KEYS if k not in spec]
     if extra or missing:
         raise ValueError(f"activations needs keys {ACTIVATION_KEYS} (optional sequence_parallel, "
-                         f"in_flight); missing {missing}, unknown {sorted(extra)}.")
+                         f"in_flight, recompute); missing {missing}, unknown {sorted(extra)}.")
     v = {k: _int(f"activations[{k!r}]", spec[k]) for k in ACTIVATION_KEYS}
     in_flight = _int("activations['in_flight']", spec.get("in_flight", 1))
     if v["layers"] < pp:
         raise ValueError(f"activations['layers']={v['layers']} must be >= pp={pp}.")
+    sp = bool(spec.get("sequence_parallel", True))
     per_layer = activation_bytes_per_layer(
         v["batch"], v["seq_len"], v["hidden"], v["heads"], tp=tp, element_bytes=element_bytes,
-        sequence_parallel=bool(spec.get("sequence_parallel", True)))
-    return math.ceil(v["layers"] / pp) * per_layer * in_flight
+        sequence_parallel=sp)
+    layers = math.ceil(v["layers"] / pp) * in_flight
+    if spec.get("recompute"):
+        # full recomputation (Chen et al. 2016; Korthikanti et al. 2022, sec. 5): each
+        # layer keeps only its input (s*b*h elements, split over t with sequence
+        # parallelism), plus the one layer whose activations backward is rebuilding
+        layer_input = v["seq_len"] * v["batch"] * v["hidden"] * element_bytes / (tp if sp else 1)
+        return layers * layer_input + per_layer
+    return layers * per_layer
 
 
 def count_parameters(model) -> int:
@@ -143,8 +151,10 @@ def estimate_memory(params: float, world_size: int = 1, strategy: str = "ddp", *
     divides over dp. offload="optimizer" moves optimizer states (with mixed precision the
     fp32 master copy too) to the host; "params" (stage 3 only) moves the parameters as well.
     Offloaded bytes go to per_rank_bytes["host"], not "total". `activations` is an optional
-    dict(batch=, seq_len=, hidden=, layers=, heads=[, sequence_parallel=True, in_flight=1]):
-    in_flight is how many micro-batches a stage holds at once (pp on 1F1B's first stage).
+    dict(batch=, seq_len=, hidden=, layers=, heads=[, sequence_parallel=True, in_flight=1,
+    recompute=False]): in_flight is how many micro-batches a stage holds at once (pp on
+    1F1B's first stage); recompute=True models full activation checkpointing (each layer
+    keeps only its input; backward rebuilds one layer at a time).
     `backend` None follows the ZeRO paper; "torch" or "deepspeed" models what those
     implementations hold between steps: FSDP2's zero2 (no resharding after forward)
     reshards parameters after backward; DeepSpeed reduces gradients into this rank's

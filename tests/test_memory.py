@@ -263,3 +263,19 @@ def test_tensor_parallel_estimate_counts_what_the_plan_leaves_whole():
     assert estimate_memory(n, 2, "tp").per_rank_bytes["params"] == 4 * n / 2  # the paper's
     with pytest.raises(ValueError, match="tp_replicated"):
         estimate_memory(n, 2, "tp", tp_replicated=n + 1)
+
+
+def test_activation_recomputation_keeps_only_layer_inputs():
+    from nbpar.estimate import activation_bytes_per_layer, estimate_memory
+
+    spec = dict(batch=1, seq_len=2048, hidden=12288, layers=96, heads=96)
+    full = estimate_memory(175e9, 8, "tp", tp=8, precision="mixed", activations=spec)
+    rec = estimate_memory(175e9, 8, "tp", tp=8, precision="mixed",
+                          activations={**spec, "recompute": True})
+    per_layer = activation_bytes_per_layer(1, 2048, 12288, 96, tp=8)
+    layer_input = 2048 * 12288 * 2 / 8  # 16-bit, split over t by sequence parallelism
+    assert full.per_rank_bytes["activations"] == pytest.approx(96 * per_layer)
+    assert rec.per_rank_bytes["activations"] == pytest.approx(96 * layer_input + per_layer)
+    no_sp = estimate_memory(175e9, 8, "tp", tp=8, precision="mixed",
+                            activations={**spec, "recompute": True, "sequence_parallel": False})
+    assert no_sp.per_rank_bytes["activations"] > rec.per_rank_bytes["activations"]

@@ -9,7 +9,7 @@ from tests.distributed import run_distributed
 MODELS = ("simple_cnn", "tiny_gpt")
 RECORD_KEYS = {"step", "rank", "loss", "step_time_s", "compute_s", "comm_s", "samples_per_s",
                "tokens_per_s", "param_bytes", "grad_bytes", "optim_bytes", "rss_bytes",
-               "peak_bytes"}
+               "peak_bytes", "local_loss"}
 
 
 def _params(box):
@@ -96,6 +96,10 @@ def test_should_stop_and_publish(ddp):
             assert rec["tokens_per_s"] > 0 and 0 < rec["comm_s"] < rec["step_time_s"]
         # a re-run in the same process group reproduces the first run's losses
         assert stopped["result"]["losses"] == ddp[rank]["tiny_gpt"]["losses"][:3]
+    for i in range(3):  # each rank's loss on its own batches; their mean is the global loss
+        local = [ddp[r]["stopped"]["records"][i]["local_loss"] for r in range(2)]
+        assert local[0] != local[1]
+        assert sum(local) / 2 == pytest.approx(ddp[0]["stopped"]["records"][i]["loss"], rel=1e-6)
 
 
 @pytest.mark.timeout(120)

@@ -157,10 +157,12 @@ def _loop(cfg, runner, batches, mesh, dims, rank, world, dev, pg_backend, publis
         else:
             loss = runner.train_step(micro_batches)
         device.synchronize(pg_backend)
+        local = float(torch.as_tensor(loss).detach().float())  # this rank's own batches
         loss = _global_loss(loss, mesh, dims, dev, timer)
         step_s = timer.end_step()
         comm_s = timer.comm_s()
-        record = {"step": step, "rank": rank, "loss": loss, "step_time_s": step_s,
+        record = {"step": step, "rank": rank, "loss": loss, "local_loss": local,
+                  "step_time_s": step_s,
                   "compute_s": step_s - comm_s, "comm_s": comm_s,
                   "samples_per_s": global_batch / step_s,
                   "tokens_per_s": global_batch * tokens / step_s if tokens else None,
