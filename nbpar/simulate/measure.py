@@ -47,8 +47,23 @@ def explain(err: Exception, what: str, model_name) -> ValueError:
                       + f": {type(err).__name__}: {first}")
 
 
+def warm_up(runner, batches) -> None:
+    """Create what the measured step inherits, as a real run's first step does: the
+    optimizer state and gradients (an optimizer step on zero gradients, no forward
+    needed) or, under FSDP2, whose lazy init needs a forward, a step on ``batches``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(isinstance(m, FSDPModule) for m in runner.model.modules()):
+        runner.train_step(batches)
+        return
+    for p in runner.parameters():
+        p.grad = torch.zeros_like(p)
+    runner.optimizer_step()
+
+
 def simulate_rank(cfg, dims, rank: int) -> dict:
-    """Figures of ``rank`` after a warm-up step and one measured step."""
+    """Figures of ``rank`` after a warm-up step and one measured step of ``grad_accum``
+    micro-batches."""
     from nbpar.simulate.meter import SimMemory
     from nbpar.simulate.runners import make_runner
     from nbpar.simulate.world import fake_rank
@@ -65,7 +80,7 @@ def simulate_rank(cfg, dims, rank: int) -> dict:
         runner.set_update_rule(cfg, None)
         batches = [example_batch(cfg, model) for _ in range(cfg.grad_accum)]
         try:
-            runner.train_step(batches)  # warm-up: optimizer state, FSDP's lazy init
+            warm_up(runner, batches[:1])
             with CommMeter() as comm, SimMemory(runner) as mem:
                 runner.train_step(batches)
         except Exception as err:
