@@ -25,6 +25,7 @@ class EngineSets:
         self.local = launcher == "local"
         self.current = next(iter(cluster.engines), None)  # the set start_cluster made
         self.spare = None
+        self._warming = None  # the spares' `warm` request, once they registered
         self.used: set[str] = set()  # uuids of engines that have been ranks
 
     def use(self, client, ids) -> None:
@@ -37,8 +38,16 @@ class EngineSets:
             self.spare = self.cluster.start_engines_sync(self.n)
 
     def ready(self, client) -> bool:
-        """Whether spare engines have registered (a restart now needs no start-up)."""
-        return self.spare is not None and len(self._fresh(client)) >= self.n
+        """Whether the spare engines have registered and imported torch (a restart now
+        needs no start-up). The first call that finds them registered asks them to
+        finish their import, without waiting."""
+        if self.spare is None or len(fresh := self._fresh(client)) < self.n:
+            return False
+        if self._warming is None:
+            from nbpar.pool.worker import warm
+
+            self._warming = client.direct_view(fresh[: self.n]).apply_async(warm)
+        return self._warming.ready()
 
     def _fresh(self, client) -> list[int]:
         # by uuid, not id: MPI engines ask for their rank as id, so ids come back
@@ -62,7 +71,7 @@ class EngineSets:
         else:
             self.cluster.stop_engines_sync(old)
             self.spare = self.cluster.start_engines_sync(self.n)
-        self.current, self.spare = self.spare, None
+        self.current, self.spare, self._warming = self.spare, None, None
         deadline = time.monotonic() + timeout
         while len(fresh := self._fresh(client)) < self.n:
             if time.monotonic() > deadline:

@@ -47,6 +47,11 @@ def leave() -> None:
     _state.pop("store", None)
 
 
+def warm() -> None:
+    """Finish importing torch.distributed (a spare engine, before it is needed)."""
+    import torch.distributed  # noqa: F401
+
+
 def open_store(peer_host: str, port: int, timeout_s: float) -> tuple[str, int]:
     """On engine 0: leave any old group, serve a TCPStore, return (addr, port)."""
     import torch.distributed as dist
