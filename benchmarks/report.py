@@ -24,6 +24,7 @@ SECTIONS = {
     "startup": ["pool_startup"],
     "training": ["ddp_vs_torchrun", "dashboard_overhead", "pipeline_bubble", "pipeline_memory",
                  "memory_vs_estimate", "reliability", "scaling", "gpu_check"],
+    "simulate": ["simulate_scale"],
 }
 #: Benchmarks with no results file yet, and why.
 NOT_MEASURED = {"gpu_check": "tokens/s and MFU of a GPT in bf16 on one GPU: needs a GPU"}
