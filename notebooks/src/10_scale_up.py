@@ -1,0 +1,137 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,src//py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 10 · Scale up: simulate the cluster you don't have
+#
+# The questions worth asking are about 64 GPUs and 70B models; the machine at hand has a
+# few CPU cores. `nbpar.simulate` answers them with the real strategy code instead of a
+# formula: it builds the model on *fake tensors* (shapes and dtypes, no memory), joins a
+# *fake process group* of any world size (collectives return at once, moving nothing),
+# applies FSDP2, tensor parallelism and the pipeline cut exactly as a training run does,
+# runs a warm-up and a measured step, and meters the step with the same tools
+# `pool.train` uses. One rank of each role is simulated: every rank of a data- or
+# tensor-parallel group holds the same, each pipeline stage differs.
+#
+# Sizes print in decimal GB, as the papers' tables do.
+
+# %%
+import json
+import pathlib
+
+import nbpar
+from nbpar.estimate import GB, estimate_memory, zero_table
+
+
+def gb(n):
+    return f"{n / GB:6.1f} GB"
+
+
+def states(rank):
+    return rank["param_bytes"] + rank["grad_bytes"] + rank["optim_bytes"]
+
+
+# %% [markdown]
+# ## A 13B model does not fit on one GPU
+#
+# The built-in GPT with 16 blocks of width 8192 has 12.9B parameters. Simulated on one
+# device in fp32 with Adam, beside the estimate's 16 bytes a parameter (4 weight, 4
+# gradient, 8 for Adam's two moments) for the same count, and the table's 13B
+# (52 + 52 + 104 = 208 GB):
+
+# %%
+gpt13 = nbpar.GPTConfig(d_model=8192, n_layers=16, n_heads=64, seq_len=16)
+one = nbpar.simulate(nbpar.TrainConfig(strategy="single", gpt=gpt13, micro_batch=1), 1,
+                     device_memory_gb=80)
+psi13 = one["ranks"][0]["param_bytes"] / 4
+est = estimate_memory(psi13, 1, "single", precision="fp32").per_rank_bytes
+table = estimate_memory(13e9, 1, "single", precision="fp32").per_rank_bytes
+r = one["ranks"][0]
+print(f"parameters: {psi13 / 1e9:.1f}B")
+for key, est_key in (("param_bytes", "params"), ("grad_bytes", "grads"),
+                     ("optim_bytes", "optim")):
+    print(f"{key:12s} simulated {gb(r[key])}   estimate {gb(est[est_key])}   "
+          f"13B table {gb(table[est_key])}")
+print(f"{'states':12s} simulated {gb(states(r))}   estimate {gb(est['total'])}   "
+      f"13B table {gb(table['total'])}")
+print(f"fits on an 80 GB GPU: {one['fits']}, short by {gb(-one['margin_bytes'])}")
+
+# %% [markdown]
+# What does fit beside it: the same model on 8 GPUs with ZeRO-3 (FSDP2) and mixed
+# precision, each rank holding an eighth of the 16 bytes a parameter:
+
+# %%
+eight = nbpar.simulate(nbpar.TrainConfig(strategy="zero3", gpt=gpt13, micro_batch=1,
+                                         precision="mixed"), 8, device_memory_gb=80)
+r = eight["ranks"][0]
+print(f"zero3 on 8 ranks: states {gb(states(r))} per rank, fits: {eight['fits']}, "
+      f"sends {gb(r['comm_bytes'])} per step ({', '.join(sorted(r['comm_bytes_by_op']))})")
+
+# %% [markdown]
+# ## The ZeRO paper's table, by simulation
+#
+# Fig. 1 of the ZeRO paper: a 7.5B model, mixed-precision Adam, 64 data-parallel GPUs:
+# 120 / 31.4 / 16.6 / 1.9 GB per GPU for the baseline and stages 1, 2, 3. The simulation
+# runs torch's implementations of each (DDP's math, ZeroRedundancyOptimizer, FSDP2 keeping
+# and resharding parameters) on 64 fake ranks:
+
+# %%
+gpt7 = nbpar.GPTConfig(d_model=8192, n_layers=9, n_heads=64, vocab_size=16000, seq_len=16)
+rows = zero_table(7.5e9, dp=64, precision="mixed")
+for row, strategy in zip(rows, ("ddp", "zero1", "zero2", "zero3")):
+    sim = nbpar.simulate(nbpar.TrainConfig(strategy=strategy, gpt=gpt7, micro_batch=1,
+                                           precision="mixed"), 64)
+    print(f"{row['name']:9s} paper {row['total_gb']:6.1f} GB   simulated {strategy:5s} "
+          f"{gb(states(sim['ranks'][0]))}")
+
+# %% [markdown]
+# Baseline and P_os+g+p agree: torch holds what the paper assumes, 16 bytes a parameter
+# (fp32 weights, gradients and Adam moments under autocast instead of 16-bit copies plus an
+# fp32 master, the same total). ZeroRedundancyOptimizer holds *more* than P_os: autocast
+# keeps the weights and gradients in fp32 (8 bytes a parameter unsharded, where the paper
+# has 4). FSDP2's ZeRO-2 holds *less* than P_os+g between steps: it reshards the
+# parameters after backward, so at rest it is ZeRO-3 (it differs in forward, where it
+# keeps them gathered).
+#
+# ## 70B on 1,024 GPUs: a 3D layout
+#
+# A GPT of width 8192 and 86 blocks (69.8B parameters, the size of Llama 2 70B) on
+# dp 32 x tp 8 x pp 4, 1F1B with 4 micro-batches of 1 x 512 tokens, bf16 autocast. Four
+# ranks are simulated, one per pipeline stage, each standing for 256. It takes a few
+# minutes of one core (fake tensors are cheap, but every op of 22 blocks x 4
+# micro-batches still passes through Python), so this notebook reads what
+# `benchmarks/simulate_scale.py` recorded; the call it makes is
+#
+# ```python
+# gpt70 = nbpar.GPTConfig(d_model=8192, n_layers=86, n_heads=64, vocab_size=32000,
+#                         seq_len=512)
+# nbpar.simulate(nbpar.TrainConfig(strategy="hybrid", dp=32, tp=8, pp=4, gpt=gpt70,
+#                                  micro_batch=1, grad_accum=4, precision="mixed"), 1024)
+# ```
+
+# %%
+recorded = json.loads(pathlib.Path("../benchmarks/results/simulate_scale.json").read_text())
+for r in recorded["rows"]:
+    print(f"ranks {r['stands_for']:>9s}: states {gb(states(r))}, activations "
+          f"{gb(r['activation_bytes'])}, peak {gb(r['peak_bytes'])}, "
+          f"sends {gb(r['comm_bytes'])} per step")
+
+# %% [markdown]
+# Each rank holds 1/32 of the model (tp 8 x pp 4) whole: the dp replicas all-reduce their
+# gradients (DDP's math), so its states are 16 bytes a parameter of its shard, about 40 GB;
+# the first and last stages also keep the embeddings and the head. The first stage keeps
+# the most activations: under 1F1B stage i holds p - i micro-batches at once. Every stage
+# peaks under 80 GB. Sharding over dp as well (`fsdp_reshard=True`, ZeRO-3 on each stage)
+# would divide the states by another 32.
