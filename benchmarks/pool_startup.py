@@ -7,9 +7,13 @@ ipyparallel's defaults and a hand-written ``init_process_group``, its cells run 
 ``%px`` runs them), repeated, each repeat in two parts. Start-up: nbpar's `Pool(n)` to
 a completed all_reduce and the baseline's, each timed while the other is shut down,
 alternating which goes first. Cells: both pools up, the round trips of a trivial cell
-and of a cell with one all_reduce alternate between them (medians of ``--cells``).
+and of a cell with one all_reduce alternate between them (medians of ``--cells``);
+then, the baseline shut down, nbpar's restart: after a hung cell timed out and the
+spare engines it started have registered (``restart_s``), and with no spares prepared
+(``restart_cold_s``), each from ``pool.restart()`` to a completed all_reduce.
 
-Targets: start-up ratio <= 0.5, cell ratios <= 1.1 (median over repeats).
+Targets: start-up ratio <= 0.5, cell ratios <= 1.1, restart after a hang <= 2.5 s
+(median over repeats).
 Writes results/pool_startup.json.
 """
 import argparse
@@ -18,7 +22,7 @@ import time
 
 from results import Recorder
 
-from nbpar.bench.launch import ALLREDUCE, start_baseline, start_nbpar
+from nbpar.bench.launch import ALLREDUCE, start_baseline, start_nbpar, time_restart
 
 
 def ms(run, code: str) -> float:
@@ -57,9 +61,12 @@ def cells(engines: int, reps: int) -> dict:
                         got[who, "allreduce"].append(ar)
         finally:
             cluster.stop_cluster_sync()
+        restart = {"restart_s": time_restart(pool),
+                   "restart_cold_s": time_restart(pool, after_hang=False)}
     finally:
         pool.shutdown()
-    return {f"{who}_{kind}_ms": statistics.median(v) for (who, kind), v in got.items()}
+    return {**{f"{who}_{kind}_ms": statistics.median(v) for (who, kind), v in got.items()},
+            **restart}
 
 
 def main():
@@ -87,6 +94,10 @@ def main():
         rec.figure(f"{what}, nbpar", [r[f"nbpar_{kind}_ms"] for r in rows], "ms", digits=3)
         rec.figure(f"{what}, raw ipyparallel", [r[f"baseline_{kind}_ms"] for r in rows], "ms",
                    digits=3)
+    rec.figure(f"restart after a hang, {args.engines} engines to a completed all_reduce",
+               [r["restart_s"] for r in rows], "s", "<= 2.5", 3)
+    rec.figure("restart with no spares prepared", [r["restart_cold_s"] for r in rows], "s",
+               digits=3)
     rec.save()
 
 

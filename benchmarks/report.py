@@ -23,7 +23,7 @@ README = ROOT / "README.md"
 SECTIONS = {
     "startup": ["pool_startup"],
     "training": ["ddp_vs_torchrun", "dashboard_overhead", "pipeline_bubble", "pipeline_memory",
-                 "memory_vs_estimate", "reliability", "scaling", "gpu_check"],
+                 "memory_vs_estimate", "reliability", "chaos", "scaling", "gpu_check"],
     "simulate": ["simulate_scale"],
 }
 #: Benchmarks with no results file yet, and why.
