@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from IPython import get_ipython as running_shell
 from IPython.testing.globalipapp import get_ipython
 
 from nbpar.errors import DistTimeout, PoolError
@@ -16,7 +17,7 @@ SETUP = "import time, torch, torch.distributed as dist\nt = torch.ones(3)\ndist.
 
 @pytest.fixture(scope="module")
 def ip():
-    shell = get_ipython()
+    shell = get_ipython() or running_shell()  # the test shell, started once per session
     shell.run_line_magic("load_ext", "nbpar")
     return shell
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+from IPython import get_ipython as running_shell
 from IPython.testing.globalipapp import get_ipython
 
 from nbpar.errors import PoolError, RankError
@@ -16,7 +17,7 @@ FAILING = ("import torch.distributed as dist\n"
 
 @pytest.fixture(scope="module")
 def ip():
-    shell = get_ipython()
+    shell = get_ipython() or running_shell()  # the test shell, started once per session
     shell.run_line_magic("load_ext", "nbpar")
     return shell
 

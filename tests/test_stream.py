@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from IPython import get_ipython as running_shell
 from IPython.core.displaypub import CapturingDisplayPublisher
 from IPython.testing.globalipapp import get_ipython
 
@@ -24,7 +25,7 @@ class TimedPublisher(CapturingDisplayPublisher):
 
 @pytest.fixture(scope="module")
 def ip():
-    shell = get_ipython()
+    shell = get_ipython() or running_shell()  # the test shell, started once per session
     shell.run_line_magic("load_ext", "nbpar")
     return shell
 
