@@ -65,6 +65,8 @@ def test_bench_launch_measures_both_side_by_side():
         # never ran lands far outside these bounds
         assert 0.5 < block["ready_s"] < 120
         assert 0.1 < block["cell_ms"] < 5_000 and 0.1 < block["allreduce_ms"] < 5_000
+    # restart after a hung cell (spare engines warm) and with none prepared, in seconds
+    assert 0.01 < doc["restart_s"] < 60 and 0.01 < doc["restart_cold_s"] < 120
 
 
 @pytest.mark.timeout(300)
