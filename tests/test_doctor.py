@@ -3,6 +3,7 @@ different shape; every rank answers from a side thread while blocked in gloo."""
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 from IPython import get_ipython as running_shell
@@ -104,3 +105,24 @@ def test_bad_input_one_clear_line_each(ip, pool):
             ip.run_line_magic("dist", "doctor")
     finally:
         pool_mod._current = saved
+
+
+def test_doctor_while_a_training_run_is_in_progress(pool):
+    import nbpar
+
+    pool.activate()
+    run = pool.train(nbpar.TrainConfig(model="tiny_gpt", strategy="ddp", micro_batch=4,
+                                       steps=100_000))
+    try:
+        while len(run.history) < 2:
+            time.sleep(0.05)
+        report = pool.doctor()
+        for rank in (0, 1):
+            rep = report.reports[rank]
+            assert rep["state"] in ("running", "in collective")
+            assert rep["stack"][0]["function"] == "train_on_engine"  # the run, not the engine
+            assert rep["collectives"], "DDP's all_reduces were not recorded"
+        assert "idle" not in report.diagnosis
+    finally:
+        run.stop()
+        run.wait(60)

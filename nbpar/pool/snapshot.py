@@ -73,8 +73,11 @@ def stack(thread_id: int) -> tuple[list[dict], bool]:
     starts = [i for i, fs in enumerate(summary) if _is_start(fs)]
     if not starts:
         return [], False  # the engine waits for work
+    user = summary[starts[-1] + 1:]
+    if summary[starts[-1]].name == "do_apply":  # skip the `result = f(*args)` it execs
+        user = user[1:]
     return [{"file": fs.filename, "line": fs.lineno, "function": fs.name,
-             "code": (fs.line or "").strip()} for fs in summary[starts[-1] + 1:]], True
+             "code": (fs.line or "").strip()} for fs in user], True
 
 
 def _in_torch_distributed(frame: dict) -> bool:
