@@ -186,3 +186,15 @@ def test_functions_defined_in_a_notebook_reach_the_engines(pool):
     nbpar.register_model("cell_net", mine["model"], dataset=mine["dataset"], loss=mine["loss"])
     torch.testing.assert_close(_losses(pool, strategy="zero3", micro_batch=8, model="cell_net"),
                                ref, atol=1e-5, rtol=0)
+
+
+def test_a_factory_model_checkpoints_and_resumes(pool, tmp_path):
+    """A callable factory is written as its "module:name"; resuming continues the curve."""
+    kw = dict(model=user_models.make_model, dataset=user_models.make_data,
+              loss=user_models.mse, strategy="zero2", micro_batch=8)
+    whole = _losses(pool, **kw)
+    first = nbpar.TrainConfig(steps=10, seed=SEED, lr=1e-2, checkpoint_dir=str(tmp_path),
+                              checkpoint_every=10, **kw)
+    pool.train(first).result()
+    rest = _losses(pool, resume_from=str(tmp_path), **kw)
+    torch.testing.assert_close(rest, whole[10:], atol=1e-5, rtol=0)

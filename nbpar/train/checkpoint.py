@@ -46,6 +46,7 @@ from nbpar.train.checkpoint_meta import (
     resolve,
     step_name,
 )
+from nbpar.train.registry import json_fields
 
 # per-FQN optimizer keys (also param_groups): ranks holding different parameters
 # (pipeline stages, ZeRO-1 partitions) never collide, and any layout can read them
@@ -173,7 +174,8 @@ def save(cfg, runner, step: int, position: dict, *, rank: int, world: int, dims,
             "version": FORMAT_VERSION, "step": step, "format": getattr(
                 runner, "checkpoint_format", checkpoint_format(cfg)),
             "world_size": world, "dims": {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp},
-            "config": {**cfg.to_dict(), "resume_from": None},
+            # a factory callable is written as its "module:name" (importable unless __main__)
+            "config": {**json_fields(cfg.to_dict()), "resume_from": None},
             "model": model_signature(cfg), "global_batch": cfg.global_batch(world),
             "data": {"epoch": position["epoch"],
                      "samples_in_epoch": position["batches_in_epoch"] * cfg.micro_batch

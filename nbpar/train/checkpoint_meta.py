@@ -154,7 +154,9 @@ def model_signature(cfg) -> dict:
         model = build_model(cfg)
     shapes = {n: list(p.shape) for n, p in model.named_parameters()}
     digest = hashlib.sha256(json.dumps(sorted(shapes.items())).encode()).hexdigest()[:16]
-    return {"name": cfg.model, "fingerprint": digest, "shapes": shapes}
+    from nbpar.train.registry import display_name
+
+    return {"name": display_name(cfg.model), "fingerprint": digest, "shapes": shapes}
 
 
 def _model_mismatch(where: str, meta: dict, cfg) -> str:

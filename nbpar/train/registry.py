@@ -105,6 +105,12 @@ def portable_fields(cfg_dict: dict) -> dict:
     return {**cfg_dict, **{k: portable(cfg_dict[k]) for k in ("model", "dataset", "loss")}}
 
 
+def json_fields(cfg_dict: dict) -> dict:
+    """A config dict that ``json.dumps`` writes: callables as their "module:name"."""
+    return {**cfg_dict, **{k: display_name(cfg_dict[k]) for k in ("model", "dataset", "loss")
+                           if cfg_dict[k] is not None and not isinstance(cfg_dict[k], str)}}
+
+
 def entry(model) -> dict[str, Registered]:
     """The registration ``model`` needs on an engine ({} if none): ship it with a run."""
     if isinstance(model, str) and model in _registered:
