@@ -28,6 +28,14 @@ class SimMemory(StepMemory):
     def _add(self, t, kind: str) -> None:
         before = self.peak
         super()._add(t, kind)
+        self._note_peak(before)
+
+    def _resized(self, t) -> None:
+        before = self.peak
+        super()._resized(t)
+        self._note_peak(before)
+
+    def _note_peak(self, before: int) -> None:
         if self.peak > before:
             self.at_peak = {"activations": self.saved, "comm": self.comm}
 

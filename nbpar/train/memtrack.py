@@ -5,7 +5,9 @@ runner's parameters, gradients and optimizer state), counts every storage an op
 creates while it runs (a TorchDispatchMode sees each op's outputs) and subtracts
 each storage when it is freed (a weak reference to the storage fires), so the peak
 is of memory really alive at one moment, each storage counted once, whole, never a
-slice of a view. Storages that autograd saves for backward
+slice of a view. FSDP2 gathers and frees unsharded parameters by resizing storages it
+keeps; the meter follows those resizes too, so a gathered weight that autograd saved
+stops counting once FSDP frees it. Storages that autograd saves for backward
 (``saved_tensors_hooks``) are activations; parameters saved by a layer are not.
 torch's ``MemTracker`` labels more categories but refuses a module called twice in
 one step, which gradient accumulation does; this meter has no such limit.
@@ -107,14 +109,64 @@ class StepMemory(TorchDispatchMode):
                 self._fail(err)
         return out
 
+    def _resized(self, t) -> None:
+        """A storage changed size in place: FSDP2 gathers and frees its unsharded
+        parameters by resizing their storages, which no dispatch mode sees."""
+        if self.error is not None:
+            return
+        try:
+            st = _storage(t)
+            if st is None:
+                return
+            key, nbytes = st._cdata, st.nbytes()
+            if key not in self.kind:
+                self._add(t, "new")
+                return
+            old, kind = self.kind[key]
+            self.kind[key] = (nbytes, kind)
+            self.live += nbytes - old
+            self.peak = max(self.peak, self.live)
+            if kind == "saved":
+                self.saved += nbytes - old
+                self.saved_peak = max(self.saved_peak, self.saved)
+        except Exception as err:
+            self._fail(err)
+
+    def _follow_fsdp(self, on: bool) -> None:
+        """Route FSDP2's storage resizes (``alloc_storage``/``free_storage``, looked up by
+        name in the modules that call them) through `_resized` while metering."""
+        try:
+            from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+        except ImportError:
+            return
+        modules = (_fsdp_param, _fsdp_param_group)
+        if not on:
+            for module, saved in zip(modules, self._fsdp_saved):
+                module.__dict__.update(saved)
+            return
+        self._fsdp_saved = [{n: m.__dict__[n] for n in ("alloc_storage", "free_storage")
+                             if n in m.__dict__} for m in modules]
+
+        def follow(fn):
+            def resize(tensor):
+                fn(tensor)
+                self._resized(tensor)
+            return resize
+
+        for module, saved in zip(modules, self._fsdp_saved):
+            for name, fn in saved.items():
+                setattr(module, name, follow(fn))
+
     def __enter__(self):
         self._hooks.__enter__()
+        self._follow_fsdp(True)
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
+            self._follow_fsdp(False)
             self._hooks.__exit__(*exc)
 
     def figures(self) -> dict:
