@@ -91,3 +91,43 @@ def test_streaming_defaults_to_on_only_inside_a_kernel(ip, monkeypatch):
 
     monkeypatch.setattr(ip, "kernel", Kernel(), raising=False)
     assert LiveOutput({}).show is True
+
+
+def test_in_a_jupyter_kernel_lines_stream_by_default():
+    """A real kernel: the live area is display_data then update_display_data messages
+    while the cell runs; it ends empty, followed by the grouped stream output."""
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3")
+
+    def run(code: str) -> list[tuple[float, str, str]]:
+        msg_id, t0, out = kc.execute(code), time.monotonic(), []
+        while True:
+            msg = kc.get_iopub_msg(timeout=120)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "status" and content["execution_state"] == "idle":
+                return out
+            if kind == "error":
+                raise AssertionError(content["evalue"])
+            if kind in ("stream", "display_data", "update_display_data"):
+                text = content.get("text") or content.get("data", {}).get("text/plain", "")
+                out.append((time.monotonic() - t0, kind, text))
+
+    try:
+        run("%load_ext nbpar\nimport nbpar\npool = nbpar.Pool(2, replace=False)")
+        try:
+            out = run("%%dist\nimport time\nfor i in range(3):\n"
+                      "    print('tick', i, flush=True)\n    time.sleep(1)")
+        finally:
+            run("pool.shutdown()")
+    finally:
+        km.shutdown_kernel(now=True)
+    kinds = [kind for _, kind, _ in out]
+    assert kinds[0] == "display_data" and "update_display_data" in kinds
+    first = out[0]
+    assert "[rank 0] tick 0" in first[2] and first[0] < out[-1][0] - 1.0  # early
+    assert out[-3][1:] == ("update_display_data", "")  # the live area emptied
+    assert [text for _, kind, text in out[-2:]] == [
+        "".join(f"[rank {r}] tick {i}\n" for i in range(3)) for r in (0, 1)]
