@@ -112,3 +112,14 @@ def test_estimate_memory_counts_a_models_parameters():
     assert by_model["params"] == 4 * n / 2
     with pytest.raises(ValueError, match="or a model"):
         nbpar.estimate_memory("llama", 2, "zero3")
+
+
+def test_llama_on_the_named_mesh_equals_single(pool):
+    """Hybrid (pp=2 of the ("pp", "dp", "tp") mesh) and ZeRO-3 over tensor-parallel
+    shards (tp=2) take the same plan; on 2 engines each equals the reference."""
+    ref = torch.tensor(_run(pool, "hf:llama", strategy="single", micro_batch=16)["losses"])
+    for kw in (dict(strategy="hybrid", dp=1, tp=1, pp=2, schedule="gpipe"),
+               dict(strategy="zero3", tp=2)):
+        got = _run(pool, "hf:llama", micro_batch=8, grad_accum=2, **kw)["losses"]
+        torch.testing.assert_close(torch.tensor(got), ref, atol=1e-5, rtol=0,
+                                   msg=lambda m: f"{kw}: {m}")
