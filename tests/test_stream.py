@@ -52,6 +52,7 @@ def test_lines_arrive_while_the_cell_runs_then_grouped_output_replaces_them(ip, 
     early = [o for o in live if o["time"] < end - 1.0]  # at least a second before the end
     text = "\n".join(o["data"]["text/plain"] for o in early)
     assert "[rank 0] tick 0" in text and "[rank 1] tick 0" in text
+    assert live[0]["data"] == {"text/plain": ""} and not live[0]["update"]  # opened empty
     assert all(o["update"] for o in live[1:])
     assert live[-1]["data"] == {"text/plain": ""}  # emptied: the grouped output follows
     out = capsys.readouterr()
@@ -72,6 +73,19 @@ def test_figures_and_widgets_on_ranks_still_arrive_in_rank_order(ip, pool, pub):
     sliders = [d["text/plain"] for d in shown if "image/png" not in d]
     assert sliders == ["IntSlider(value=0)", "IntSlider(value=1)"]  # rank order
     assert all("application/vnd.jupyter.widget-view+json" in d for d in shown[1::2])
+
+
+def test_a_fast_cell_leaves_the_same_outputs_as_a_slow_one(ip, pool, pub, capsys):
+    """A notebook runner that ignores in-place updates (nbval) stores what the first
+    message said: an empty area whether or not lines came before the end."""
+    pool.activate()
+    for cell in ("print('quick')\n", SLOW_CELL):
+        pub.clear()
+        ip.run_cell_magic("dist", "--stream", cell)
+        first = [o for o in pub if not o["update"]]
+        assert [o["data"] for o in first] == [{"text/plain": ""}], cell
+        assert pub[-1]["data"] == {"text/plain": ""}
+    capsys.readouterr()
 
 
 def test_no_live_area_when_streaming_is_off(ip, pool, pub, capsys):
@@ -126,7 +140,9 @@ def test_in_a_jupyter_kernel_lines_stream_by_default():
         km.shutdown_kernel(now=True)
     kinds = [kind for _, kind, _ in out]
     assert kinds[0] == "display_data" and "update_display_data" in kinds
-    first = out[0]
+    assert out[0][2] == ""  # the area opens empty, so a runner ignoring updates stores ""
+    first = out[1]
+    assert first[1] == "update_display_data"
     assert "[rank 0] tick 0" in first[2] and first[0] < out[-1][0] - 1.0  # early
     assert out[-3][1:] == ("update_display_data", "")  # the live area emptied
     assert [text for _, kind, text in out[-2:]] == [

@@ -210,6 +210,7 @@ def run_cell(pool, code: str, ranks, timeout: float | None,
 
     plot = LogPlot(ars, show=True)  # draws nbpar.log(...) records live, if any
     live = LiveOutput(ars, stream)
+    live.start()
 
     def poll():
         plot.poll()

@@ -3,8 +3,11 @@
 While the cell runs, each rank's new stdout and stderr lines appear, prefixed
 ``[rank N]``, in one display area that is updated in place (as ``%px`` streams).
 When the cell ends, the area is emptied and the output grouped per rank in rank
-order replaces it, so a saved notebook shows the same output however fast the
-ranks were. Nothing is read before the first poll (a short cell pays nothing).
+order replaces it. The area is opened empty when the cell starts and only ever
+updated in place afterwards, so every saved or checked notebook holds the same
+output however fast the ranks were: one empty area, then the grouped output (a
+runner that applies updates, like nbconvert, and one that ignores them, like nbval,
+agree). Nothing is read before the first poll.
 """
 from __future__ import annotations
 
@@ -54,6 +57,13 @@ class LiveOutput:
                     self.seen[r, name] = end
         return out
 
+    def start(self) -> None:
+        """Open the (empty) live area; every later change is an in-place update."""
+        if self.show and self.handle is None:
+            from IPython.display import display
+
+            self.handle = display({"text/plain": ""}, raw=True, display_id=True)
+
     def poll(self) -> None:
         if not self.show:
             return
@@ -61,13 +71,8 @@ class LiveOutput:
         if not new:
             return
         self.lines.extend(new)
-        data = {"text/plain": "\n".join(self.lines)}
-        if self.handle is None:
-            from IPython.display import display
-
-            self.handle = display(data, raw=True, display_id=True)
-        else:
-            self.handle.update(data, raw=True)
+        self.start()
+        self.handle.update({"text/plain": "\n".join(self.lines)}, raw=True)
 
     def finish(self) -> None:
         """Empty the live area: the grouped output that follows replaces it."""
