@@ -15,8 +15,9 @@ or, for a functional collective, until its ``wait_tensor`` returns. ``comm_s`` i
 length of the union of those intervals; ``exposed_comm_s`` the part of it during which no
 compute op (any other op that passed the dispatcher) ran on this rank, i.e. communication
 that compute did not hide. Python between ops counts as not hiding it, so exposed time is
-an upper bound, and the metered step is slower than the others (every op goes through
-Python): both figures are shares of that step, reported beside its own time.
+an upper bound. The metered step itself is several times slower than the others (every
+op goes through Python) while the collectives run at their own speed, so a run reports
+these seconds as shares of a normal (unmetered) step.
 
 A dispatch mode sends every op of the step through Python, so a run meters one sampled
 step (the loop's choice), not all of them.

@@ -85,9 +85,8 @@ def _agree_to_stop(should_stop, dev, world: int) -> bool:
     return bool(flag.item())
 
 
-def _share(seconds, record) -> float:
-    """``seconds`` as a share of ``record``'s step time, in [0, 1]."""
-    step = record.get("step_time_s") or 0.0
+def _share(seconds, step: float) -> float:
+    """``seconds`` as a share of a step of ``step`` seconds, in [0, 1]."""
     return min(1.0, seconds / step) if step > 0 and seconds is not None else 0.0
 
 
@@ -185,6 +184,9 @@ def _loop(cfg, runner, batches, mesh, dims, rank, world, dev, pg_backend, publis
     last = history[-1] if history else {**runner.memory(), **memory_snapshot(pg_backend)}
     last.setdefault("peak_bytes", step_peak_bytes(last))
     metered_rec = next((r for r in history if r.get("comm_metered")), {})
+    # a normal step: the median of those not metered (every op through Python is slower)
+    step_s = statistics.median([r["step_time_s"] for r in history if not r.get("comm_metered")]
+                               or [r["step_time_s"] for r in history] or [0.0])
     bubble = getattr(runner, "bubble_fraction", None)
     forced = getattr(runner, "schedule_bubble_fraction", None)
     return {
@@ -199,19 +201,19 @@ def _loop(cfg, runner, batches, mesh, dims, rank, world, dev, pg_backend, publis
                                   default=last["rss_bytes"]),
         "activation_bytes": metered_rec.get("activation_bytes"),
         "memory_error": metered_rec.get("memory_error"),
-        "step_time_s": statistics.median([r["step_time_s"] for r in history
-                                          if not r.get("comm_metered")] or
-                                         [r["step_time_s"] for r in history] or [0.0]),
+        "step_time_s": step_s,
         # bytes this rank sent in one training step (the metered one), by kind of op
         "comm_bytes": comm.total() if comm is not None else None,
         "comm_bytes_by_op": comm.by_op() if comm is not None else None,
         # communication of the metered step, whatever strategy launched it: seconds with an
-        # op in flight, the part no compute hid, and the first as a share of that step
+        # op in flight and the part no compute hid, as shares of a normal step (the
+        # median above: the metered step itself runs several times slower, every op
+        # passing through Python, while its collectives run at their own speed)
         "comm_s": metered_rec.get("comm_in_flight_s"),
         "exposed_comm_s": metered_rec.get("exposed_comm_s"),
-        "comm_fraction": _share(metered_rec.get("comm_in_flight_s"), metered_rec) if metered_rec
+        "comm_fraction": _share(metered_rec.get("comm_in_flight_s"), step_s) if metered_rec
         else (min(1.0, total_comm / total_step) if total_step > 0 else 0.0),
-        "exposed_comm_fraction": _share(metered_rec.get("exposed_comm_s"), metered_rec)
+        "exposed_comm_fraction": _share(metered_rec.get("exposed_comm_s"), step_s)
         if metered_rec else None,
         "bubble_fraction": bubble() if callable(bubble) else None,
         # the part of the bubble the schedule forces with the measured stage times
