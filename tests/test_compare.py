@@ -120,3 +120,17 @@ def test_run_result_displays_a_summary_and_stays_the_same_dict():
     assert f"loss {plain['losses'][0]:.4f} -> {plain['losses'][-1]:.4f}" in text
     assert "rank 1: peak " in text
     assert "<b>ddp/torch tiny_gpt: 300 steps" in res._repr_html_()
+
+
+def make_tiny_mlp():
+    import torch
+
+    return torch.nn.Linear(4, 2)
+
+
+def test_a_factory_model_is_labelled_by_its_name():
+    from nbpar.view.picker_runs import run_row
+
+    run = FakeRun(cfg=TrainConfig(strategy="ddp", steps=3, model=make_tiny_mlp),
+                  history=history(3), finished=True)
+    assert run_row(run)["run"] == "ddp/torch tests.test_compare:make_tiny_mlp"

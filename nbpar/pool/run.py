@@ -178,9 +178,12 @@ class Run:
         self.dashboard = Dashboard(self).show()
 
     def __repr__(self):
+        from nbpar.train.registry import display_name
+
         steps = {rec["step"] for rec in self.history}
         state = "done" if self.done() else "running"
-        return (f"<nbpar.Run {self.cfg.strategy}/{self.cfg.backend} {self.cfg.model}: "
+        return (f"<nbpar.Run {self.cfg.strategy}/{self.cfg.backend} "
+                f"{display_name(self.cfg.model)}: "
                 f"{len(steps)}/{self.cfg.steps} steps, {state}>")
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import html
 
+from nbpar.train.registry import display_name
 from nbpar.view.history import as_history, run_label, steps_done
 
 
@@ -22,7 +23,7 @@ def run_row(run) -> dict:
             run.result()
         except Exception as err:  # the engines' error, in one line
             state = "failed: " + (str(err).strip().splitlines() or [type(err).__name__])[0]
-    return {"run": f"{run_label(run)} {cfg.model}", "steps": f"{n}/{cfg.steps}",
+    return {"run": f"{run_label(run)} {display_name(cfg.model)}", "steps": f"{n}/{cfg.steps}",
             "global batch": batch, "precision": cfg.precision, "state": state,
             "final loss": f"{losses[-1]:.4f}" if losses and done else "-"}
 
