@@ -84,10 +84,11 @@ class StageStep(StepRunner):
         return torch.stack(losses).mean() if losses else torch.zeros(())
 
     def _input(self, tokens):
-        """Stage 0 takes the batch; later stages a hidden-state buffer (b, s, d)."""
+        """Stage 0 takes the batch; later stages a hidden-state buffer (b, s, d), d the
+        input width of the stage's first linear layer (a block's attention input)."""
         if self.stage == 0:
             return tokens
-        d = self.model.cfg.d_model
+        d = next(m for m in self.model.modules() if isinstance(m, nn.Linear)).in_features
         dtype = self.autocast_dtype or torch.float32
         return torch.empty(*tokens.shape, d, dtype=dtype)
 
