@@ -67,21 +67,74 @@ def simulate(cfg, world_size: int, *, device_memory_gb: float | None = None) -> 
     ``device_memory_gb`` (decimal GB, as `nbpar.estimate`) adds ``fits`` and
     ``margin_bytes`` (device memory minus the largest simulated peak).
     """
-    from nbpar.simulate.measure import simulate_rank
-    from nbpar.simulate.roles import roles
-
     start = time.perf_counter()
     capacity = None if device_memory_gb is None else capacity_bytes(device_memory_gb)
     cfg, dims = prepare(cfg, world_size)
-    ranks = []
-    for rank, stands_for in roles(dims):
-        ranks.append({**simulate_rank(cfg, dims, rank), "stands_for": stands_for})
+    ranks = simulate_ranks(cfg, dims) if dims.pp == 1 else _in_child(cfg, dims)
     config = {**cfg.to_dict(), "world_size": world_size, "dp": dims.dp, "tp": dims.tp,
               "pp": dims.pp}
     out = Simulation(config=config, ranks=ranks, seconds=time.perf_counter() - start)
     if capacity is not None:
         out.update(fit_figures(ranks, capacity))
     return out
+
+
+def simulate_ranks(cfg, dims) -> list[dict]:
+    """One simulated rank per role, each with the ranks it stands for."""
+    from nbpar.simulate.measure import simulate_rank
+    from nbpar.simulate.roles import roles
+
+    return [{**simulate_rank(cfg, dims, rank), "stands_for": stands_for}
+            for rank, stands_for in roles(dims)]
+
+
+def _in_child(cfg, dims) -> list[dict]:
+    """`simulate_ranks` in a spawned process that leaves with ``os._exit``.
+
+    A process that simulated pipeline stages sometimes aborts while the interpreter
+    shuts down ("corrupted double-linked list", after all Python code has run; not
+    root-caused). The child hands back its results first and then skips that shutdown,
+    so neither a notebook kernel nor a test session inherits the fault.
+    """
+    import multiprocessing
+
+    import cloudpickle
+
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_child, args=(cloudpickle.dumps((cfg, dims)), send),
+                        daemon=True, name="nbpar-simulate")
+    child.start()
+    send.close()
+    try:
+        kind, value = cloudpickle.loads(receive.recv_bytes())
+    except EOFError:
+        child.join()
+        raise RuntimeError(f"the simulation's process ended without a result (exit code "
+                           f"{child.exitcode})") from None
+    finally:
+        receive.close()
+    child.join()
+    if kind == "error":
+        raise value
+    return value
+
+
+def _child(payload: bytes, send) -> None:
+    import os
+
+    import cloudpickle
+
+    try:
+        cfg, dims = cloudpickle.loads(payload)
+        out = ("ok", simulate_ranks(cfg, dims))
+    except BaseException as err:  # the parent raises it
+        out = ("error", err)
+    try:
+        send.send_bytes(cloudpickle.dumps(out))
+    finally:
+        send.close()
+        os._exit(0)
 
 
 def capacity_bytes(device_memory_gb: float) -> int:
