@@ -152,15 +152,17 @@ for epoch in range(2):
         step += 1
 
 # %% [markdown]
-# Both replicas hold exactly the same weights after training: gather a checksum from
-# each rank and compare.
+# Both replicas hold exactly the same weights after training: gather every rank's
+# parameters and compare them, element by element, with rank 0's.
 
 # %%
 # %%dist
-checksum = torch.stack([p.detach().sum() for p in model.parameters()]).sum().reshape(1)
-sums = [torch.zeros(1) for _ in range(world)]
-dist.all_gather(sums, checksum)
-log0("weights identical on all ranks:", all(torch.equal(s, sums[0]) for s in sums))
+flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+copies = [torch.empty_like(flat) for _ in range(world)]
+dist.all_gather(copies, flat)
+identical = all(torch.equal(c, copies[0]) for c in copies)
+log0(f"all {flat.numel()} weights identical on all ranks:", identical)
+assert identical
 
 # %% [markdown]
 # ## The same experiment in one line

@@ -19,7 +19,12 @@
 # Data parallelism copies the whole model to every rank. When one layer is too big for
 # one device, Megatron-LM (Shoeybi et al. 2019) splits the *matrices inside each layer*
 # instead: every rank holds a slice of each weight and computes a slice of each
-# product, and two all-reduces per block stitch the results together.
+# product, and all-reduces stitch the results together: two per block in forward (after
+# attention and after the MLP, Megatron's *g*) and two in backward (their mirror *f*,
+# on the inputs' gradients).
+#
+# **Goal:** cut a matrix product both ways, apply the cut to a transformer block, check
+# the numbers against one process, and measure what each rank holds and sends.
 
 # %%
 # %matplotlib inline
@@ -134,17 +139,68 @@ print("tp     :", [round(x, 2) for x in tp_losses[:: 5]])
 print("single :", [round(x, 2) for x in single_losses[:: 5]])
 print("max difference below 1e-4:", max(abs(a - b) for a, b in zip(tp_losses, single_losses)) < 1e-4)
 
+# %% [markdown]
+# Two identical curves would hide each other, so the right panel plots their difference:
+
 # %%
-nbpar.view.plots.plot_losses([run_tp, run_single], labels=["tp=2", "single process"])
+from matplotlib.figure import Figure
+
+fig = Figure(figsize=(10, 3), layout="constrained")
+left, right = fig.subplots(1, 2)
+left.plot(single_losses, color="tab:gray", lw=3, label="single process")
+left.plot(tp_losses, "x", color="tab:blue", label="tp=2")
+left.set_xlabel("step"), left.set_ylabel("loss"), left.legend()
+right.plot([a - b for a, b in zip(tp_losses, single_losses)], "o-", color="tab:blue", ms=3)
+right.axhline(0, color="k", lw=0.5)
+right.set_xlabel("step"), right.set_ylabel("tp=2 minus single")
+right.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
+fig
 
 # %% [markdown]
-# Per rank, the tensor-parallel run stores about half of the block weights (the
-# embeddings, norms and head stay replicated in this small model):
+# ## What each rank holds and sends
+#
+# Tensor parallelism splits only what the plan splits: the blocks' weight matrices.
+# The embeddings, the norms, the output head and the row-parallel biases stay whole on
+# every rank, which in a model this small is a large share. The estimate counts them
+# (`tp_replicated`); Megatron's `Psi / tp` assumes there are none:
 
 # %%
-for row in run_tp.result()["ranks"]:
-    print(f"rank {row['rank']}: params {row['param_bytes']} B")
-print(f"single: params {run_single.result()['ranks'][0]['param_bytes']} B")
+from nbpar.estimate import comm_bytes_per_step, estimate_memory, format_bytes
+from nbpar.train.models import build_model
+from nbpar.train.plan import tp_replicated_parameters
+
+model = build_model(nbpar.TrainConfig(**common))
+n, whole = sum(p.numel() for p in model.parameters()), tp_replicated_parameters(model)
+held = run_tp.result()["ranks"][0]["param_bytes"]
+print(f"{n} parameters, {whole} of them left whole by the plan")
+print(f"rank 0 holds {format_bytes(held)} of parameters; estimate "
+      f"{format_bytes(estimate_memory(n, 2, 'tp', tp_replicated=whole).per_rank_bytes['params'])}; "
+      f"Psi / tp would say {format_bytes(4 * n / 2)}")
+assert held == estimate_memory(n, 2, "tp", tp_replicated=whole).per_rank_bytes["params"]
+
+# %% [markdown]
+# And what one step sends, counted at the c10d layer: activation all-reduces only (no
+# gradient all-reduce: every rank owns different weights). Megatron's four per block
+# (two forward, two backward) each move `2 (tp-1)/tp` of a `batch x seq x d_model`
+# activation; nbpar's separate `wq`, `wk`, `wv` projections each need their input's
+# gradient summed in backward, which adds two per block:
+
+# %%
+g = nbpar.GPTConfig()
+act = common["micro_batch"] * g.seq_len * g.d_model * 4               # bytes, fp32
+megatron = 4 * g.n_layers * act * 2 * (2 - 1) / 2
+sent = run_tp.result()["ranks"][0]["comm_bytes_by_op"]
+model_says = comm_bytes_per_step("tp", param_bytes=0, tp=2, activation_bytes=act,
+                                 layers=g.n_layers)
+print(f"sent per step by rank 0: {sent}")
+print(f"Megatron's 4 per block: {megatron:.0f} B; with the 2 for separate q, k, v: "
+      f"{model_says:.0f} B")
+assert set(sent) == {"all_reduce"} and abs(sent["all_reduce"] / model_says - 1) < 0.1
+
+# %% [markdown]
+# **Takeaway.** Tensor parallelism divides the weights inside each layer, keeps the
+# numbers of one device, and pays with activation all-reduces in every block, forward
+# and backward: it belongs where ranks are joined by fast links, inside a node.
 
 # %%
 pool.shutdown()

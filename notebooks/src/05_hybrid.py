@@ -99,16 +99,57 @@ for s in ("ddp", "zero3"):
 #   12288) on 1024 GPUs. Memory alone would allow TP x ZeRO-3, but ZeRO-3 gathers every
 #   layer's parameters from all 128 data-parallel ranks in every forward and backward
 #   pass, across the network. With 16 pipeline stages each node only sends activations
-#   to its neighbour, and 8-way data parallelism with ZeRO-1 is cheap. The activations
-#   (sequence 2048, 1 sequence per micro-batch, 1F1B keeping up to 16 in flight on the
-#   first stage) now dominate:
+#   to its neighbour, and 8-way data parallelism with ZeRO-1 is cheap. Add the
+#   activations: sequence 2048, 1 sequence per micro-batch, 1F1B keeping up to 16
+#   micro-batches in flight on the first stage, every activation kept for backward (no
+#   recomputation) and *sequence parallelism* (Korthikanti et al. 2022: the parts of a
+#   layer that tensor parallelism leaves whole, its norms and dropouts, split along the
+#   sequence, so everything divides by t):
 
 # %%
 activations = dict(batch=1, seq_len=2048, hidden=12288, layers=96, heads=96)
-print(nbpar.estimate_memory(175e9, 1024, "zero3", tp=8, precision="mixed",
-                            activations=activations).table(), end="\n\n")
-print(nbpar.estimate_memory(175e9, 1024, "zero1", tp=8, pp=16, precision="mixed",
-                            activations={**activations, "in_flight": 16}).table())
+tp8 = nbpar.estimate_memory(175e9, 1024, "zero3", tp=8, precision="mixed",
+                            activations=activations)
+tp8pp16 = nbpar.estimate_memory(175e9, 1024, "zero1", tp=8, pp=16, precision="mixed",
+                                activations={**activations, "in_flight": 16})
+print(tp8.table(), end="\n\n")
+print(tp8pp16.table())
+
+# %% [markdown]
+# Both layouts hold the same activations per GPU, and this is no accident: without
+# stages a GPU keeps all 96 layers of one micro-batch; with 16 stages it keeps 96/16 = 6
+# layers, but of up to 16 micro-batches in flight (1F1B's first stage), again 96
+# layer-micro-batches. What changes them is how each layer is stored:
+
+# %%
+from nbpar.estimate import format_bytes
+
+variants = {"as above (sequence parallel, no recomputation)": {},
+            "without sequence parallelism": {"sequence_parallel": False},
+            "with full recomputation (activation checkpointing)": {"recompute": True}}
+for name, extra in variants.items():
+    est = nbpar.estimate_memory(175e9, 1024, "zero1", tp=8, pp=16, precision="mixed",
+                                activations={**activations, "in_flight": 16, **extra})
+    print(f"{name:52s} {format_bytes(est.per_rank_bytes['activations'])} per GPU")
+assert tp8.per_rank_bytes["activations"] == tp8pp16.per_rank_bytes["activations"]
+
+# %% [markdown]
+# Activation checkpointing keeps only each layer's input and runs the layer's forward
+# again during backward (about a third more compute) to rebuild the rest. nbpar runs it
+# with `TrainConfig(activation_checkpointing=True)`; what autograd saved for backward,
+# measured on the same tiny model both ways:
+
+# %%
+ckpt = {}
+for on in (False, True):
+    cfg = nbpar.TrainConfig(model="tiny_gpt", strategy="ddp", micro_batch=8, steps=2,
+                            seed=0, activation_checkpointing=on)
+    res = pool.train(cfg).result()
+    ckpt[on] = (res["ranks"][0]["activation_bytes"], res["losses"])
+print(f"saved for backward: {format_bytes(ckpt[False][0])} without, "
+      f"{format_bytes(ckpt[True][0])} with activation checkpointing")
+assert ckpt[True][0] < ckpt[False][0]
+assert max(abs(a - b) for a, b in zip(ckpt[True][1], ckpt[False][1])) < 1e-5  # same math
 
 # %%
 fig = Figure(figsize=(10, 3.2), layout="constrained")
@@ -143,7 +184,16 @@ ppdp_losses, pptp_losses = run_ppdp.result()["losses"], run_pptp.result()["losse
 assert max(abs(a - b) for a, b in zip(ppdp_losses, pptp_losses)) < 1e-5  # fp32 rounding
 
 # %%
-nbpar.view.plots.plot_losses([run_ppdp, run_pptp], labels=["pp2 x dp2", "pp2 x tp2"])
+fig = Figure(figsize=(10, 3), layout="constrained")
+left, right = fig.subplots(1, 2)
+left.plot(ppdp_losses, color="tab:gray", lw=3, label="pp2 x dp2")
+left.plot(pptp_losses, "x", color="tab:blue", label="pp2 x tp2")
+left.set_xlabel("step"), left.set_ylabel("loss"), left.legend()
+right.plot([a - b for a, b in zip(pptp_losses, ppdp_losses)], "o-", color="tab:blue", ms=3)
+right.axhline(0, color="k", lw=0.5)
+right.set_xlabel("step"), right.set_ylabel("pp2 x tp2 minus pp2 x dp2")
+right.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
+fig
 
 # %% [markdown]
 # pp x dp: each rank holds one stage (half the layers, embeddings on the first stage,

@@ -93,12 +93,16 @@ print({k: meta[k] for k in ("step", "world_size", "dims", "data", "global_batch"
 pool.restart()
 
 # %%
-resumed = pool.train(cfg, resume_from=ckpt, checkpoint_dir=None, checkpoint_every=0).wait()
+final = {name: os.path.join(workdir, name) for name in ("resumed", "uninterrupted")}
+resumed = pool.train(cfg, resume_from=ckpt, checkpoint_dir=final["resumed"],
+                     checkpoint_every=cfg.steps).wait()          # saves once, at the end
 start = resumed.history[0]["step"]
-reference = pool.train(cfg, checkpoint_dir=None, checkpoint_every=0).wait()
+reference = pool.train(cfg, checkpoint_dir=final["uninterrupted"],
+                       checkpoint_every=cfg.steps).wait()
 ref_losses, res_losses = reference.result()["losses"], resumed.result()["losses"]
 print("resumed run trains until step", resumed.history[-1]["step"])
 print("resumed losses equal the uninterrupted run's:", res_losses == ref_losses[start:])
+assert res_losses == ref_losses[start:]
 
 # %%
 ax = nbpar.view.plots.plot_losses(reference, labels=["uninterrupted"]).axes[0]
@@ -109,10 +113,36 @@ ax.legend(fontsize="small")
 ax.figure
 
 # %% [markdown]
-# Bit-for-bit equal: the resumed run sees the same batches in the same order and
-# applies the same updates. (A checkpoint written with one strategy can be loaded into
-# another layout too, e.g. DDP into FSDP2 shards: `torch.distributed.checkpoint`
-# stores tensors by name and reshards on load.)
+# The resumed run sees the same batches in the same order and applies the same updates.
+# Equal losses are a hint; the weights are the proof. Both runs saved their final state:
+# merged into one state dict each, every tensor compared bit for bit:
+
+# %%
+import torch
+
+weights = {name: torch.load(nbpar.train.checkpoint.consolidate(
+    path, os.path.join(workdir, f"{name}.pt")), weights_only=True)
+    for name, path in final.items()}
+same = all(torch.equal(weights["resumed"][k], weights["uninterrupted"][k])
+           for k in weights["uninterrupted"])
+print(f"{len(weights['uninterrupted'])} tensors, all bit-for-bit equal:", same)
+assert same and weights["resumed"].keys() == weights["uninterrupted"].keys()
+
+# %% [markdown]
+# A checkpoint written with one strategy loads into another layout too:
+# `torch.distributed.checkpoint` stores tensors by name and reshards on load. The DDP
+# checkpoint from before the kill, resumed as FSDP2's ZeRO-3 (each rank now holds half
+# of every tensor): the same losses, up to the order in which the sums add up
+# (reduce-scatter instead of all-reduce):
+
+# %%
+as_zero3 = pool.train(cfg, strategy="zero3", resume_from=ckpt, checkpoint_dir=None,
+                      checkpoint_every=0).wait()
+z3_losses = as_zero3.result()["losses"]
+gap = max(abs(a - b) for a, b in zip(z3_losses, ref_losses[start:]))
+print(f"zero3 resumed from the ddp checkpoint: {len(z3_losses)} steps, "
+      f"largest difference from the uninterrupted ddp run below 1e-5: {gap < 1e-5}")
+assert len(z3_losses) == len(res_losses) and gap < 1e-5
 #
 # ## One consolidated state dict
 #
@@ -121,7 +151,6 @@ ax.figure
 # machinery by `model.load_state_dict`:
 
 # %%
-import torch
 from nbpar.train.models import build_model, next_token_loss
 
 out_file = nbpar.train.checkpoint.consolidate(ckpt, os.path.join(workdir, "tiny_gpt.pt"))

@@ -24,6 +24,7 @@
 # %%
 # %matplotlib inline
 import nbpar
+import nbpar.train.models
 from nbpar.view.dashboard import Dashboard
 # %load_ext nbpar
 
@@ -111,8 +112,34 @@ for row in comparison.table:
           f"   optimizer {row['optim_bytes']:7d} B")
 
 # %% [markdown]
-# The full table and figure add the measured peak memory of each process, the step time
-# and the communication share: those are timings, different on every run.
+# What each rank sends per step is exact too, counted at the c10d layer, next to the
+# theory: DDP all-reduces the gradients (2 Psi (N-1)/N of ring traffic); torch's ZeRO-1
+# all-reduces them too, then broadcasts the updated parameters (3 Psi); FSDP2's ZeRO-2
+# reduce-scatters gradients and all-gathers parameters; tensor parallelism sends no
+# gradients at all, only activation all-reduces inside every block:
+
+# %%
+from nbpar.estimate import comm_bytes_per_step, format_bytes
+
+psi = 4 * sum(p.numel() for p in nbpar.train.models.build_model(
+    nbpar.TrainConfig(**base)).parameters())                    # fp32 bytes of the model
+g = nbpar.GPTConfig()
+act = base["micro_batch"] * g.seq_len * g.d_model * 4
+for name, run in runs.items():
+    rank0 = run.result()["ranks"][0]
+    theory = comm_bytes_per_step(name, param_bytes=psi, dp=1 if name == "tp" else 2,
+                                 tp=2 if name == "tp" else 1, backend="torch",
+                                 activation_bytes=act, layers=g.n_layers)
+    ops = ", ".join(f"{op} {format_bytes(b)}" for op, b in rank0["comm_bytes_by_op"].items())
+    print(f"{name:6s} sent {format_bytes(rank0['comm_bytes']):>9s} per step ({ops}); "
+          f"model {format_bytes(theory)}")
+    assert abs(rank0["comm_bytes"] / theory - 1) < 0.1
+
+# %% [markdown]
+# The full table and figure add the peak of live tensors during a step, the step time,
+# and the communication time: the share of the step with a collective in flight and the
+# share no compute hid (exposed), which the figure plots against the 20% line. Those
+# are timings, different on every run.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
