@@ -277,3 +277,17 @@ def test_plot_step_split_static():
     expected = [sum(r["comm_s"] for r in g) / sum(r["step_time_s"] for r in g)
                 for g in groups.values()]
     assert heights == pytest.approx(expected)
+
+
+def test_loss_difference_figure_plots_both_curves_and_their_difference():
+    from nbpar.view.plots import plot_loss_difference
+
+    run, ref = [3.0, 2.5, 2.0], [3.0, 2.4, 2.1]
+    fig = plot_loss_difference(run, ref, labels=("tp=2", "single"))
+    left, right = fig.axes
+    assert [list(line.get_ydata()) for line in left.get_lines()] == [ref, run]
+    assert [t.get_text() for t in left.get_legend().get_texts()] == ["single", "tp=2"]
+    assert list(right.get_lines()[0].get_ydata()) == pytest.approx([0.0, 0.1, -0.1])
+    assert right.get_ylabel() == "tp=2 minus single"
+    with pytest.raises(ValueError, match="same length"):
+        plot_loss_difference(run, ref[:2])

@@ -64,6 +64,30 @@ def plot_losses(runs_or_histories, ax=None, *, per_rank: bool = False, labels=No
     return ax.figure
 
 
+def plot_loss_difference(losses, reference, labels=("run", "reference")):
+    """Two loss curves that should agree (lists of floats, one per step): left, both
+    (the reference as a wide grey line, the run as crosses on it, so neither hides the
+    other); right, run minus reference per step. Returns the Figure."""
+    from matplotlib.figure import Figure
+
+    if len(losses) != len(reference):
+        raise ValueError(f"the runs have {len(losses)} and {len(reference)} losses; "
+                         f"compare runs of the same length")
+    fig = Figure(figsize=(10, 3), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    left.plot(reference, color="tab:gray", lw=3, label=labels[1])
+    left.plot(losses, "x", color="tab:blue", label=labels[0])
+    left.set_xlabel("step")
+    left.set_ylabel("loss")
+    left.legend(fontsize="small")
+    right.plot([a - b for a, b in zip(losses, reference)], "o-", color="tab:blue", ms=3)
+    right.axhline(0, color="k", lw=0.5)
+    right.set_xlabel("step")
+    right.set_ylabel(f"{labels[0]} minus {labels[1]}")
+    right.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
+    return fig
+
+
 def _measured(obj) -> tuple[list[int], list[dict], list[float | None]]:
     """(ranks, parts per rank, peak bytes per rank) from a result dict or a history."""
     if isinstance(obj, dict) and isinstance(obj.get("ranks"), list):

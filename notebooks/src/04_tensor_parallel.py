@@ -143,18 +143,7 @@ print("max difference below 1e-4:", max(abs(a - b) for a, b in zip(tp_losses, si
 # Two identical curves would hide each other, so the right panel plots their difference:
 
 # %%
-from matplotlib.figure import Figure
-
-fig = Figure(figsize=(10, 3), layout="constrained")
-left, right = fig.subplots(1, 2)
-left.plot(single_losses, color="tab:gray", lw=3, label="single process")
-left.plot(tp_losses, "x", color="tab:blue", label="tp=2")
-left.set_xlabel("step"), left.set_ylabel("loss"), left.legend()
-right.plot([a - b for a, b in zip(tp_losses, single_losses)], "o-", color="tab:blue", ms=3)
-right.axhline(0, color="k", lw=0.5)
-right.set_xlabel("step"), right.set_ylabel("tp=2 minus single")
-right.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
-fig
+nbpar.view.plots.plot_loss_difference(tp_losses, single_losses, labels=("tp=2", "single"))
 
 # %% [markdown]
 # ## What each rank holds and sends

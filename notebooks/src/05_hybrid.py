@@ -184,16 +184,8 @@ ppdp_losses, pptp_losses = run_ppdp.result()["losses"], run_pptp.result()["losse
 assert max(abs(a - b) for a, b in zip(ppdp_losses, pptp_losses)) < 1e-5  # fp32 rounding
 
 # %%
-fig = Figure(figsize=(10, 3), layout="constrained")
-left, right = fig.subplots(1, 2)
-left.plot(ppdp_losses, color="tab:gray", lw=3, label="pp2 x dp2")
-left.plot(pptp_losses, "x", color="tab:blue", label="pp2 x tp2")
-left.set_xlabel("step"), left.set_ylabel("loss"), left.legend()
-right.plot([a - b for a, b in zip(pptp_losses, ppdp_losses)], "o-", color="tab:blue", ms=3)
-right.axhline(0, color="k", lw=0.5)
-right.set_xlabel("step"), right.set_ylabel("pp2 x tp2 minus pp2 x dp2")
-right.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
-fig
+nbpar.view.plots.plot_loss_difference(pptp_losses, ppdp_losses,
+                                      labels=("pp2 x tp2", "pp2 x dp2"))
 
 # %% [markdown]
 # pp x dp: each rank holds one stage (half the layers, embeddings on the first stage,
