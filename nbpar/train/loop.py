@@ -65,16 +65,18 @@ class _Batches:
             self.taken += 1
 
 
-def _global_loss(loss, mesh, dims, dev, timer: CommTimer) -> float:
-    """Loss of the global batch: last pp stage's value, averaged over dp ranks."""
+def _global_loss(loss, mesh, dims, dev, timer: CommTimer) -> tuple[float, float]:
+    """(loss of the global batch: last pp stage's value averaged over dp ranks, this
+    rank's own value before the dp average), read with one device sync."""
     t = torch.as_tensor(loss).detach().to(device=dev, dtype=torch.float32).reshape(1).clone()
     with timer.span():
         if dims.pp > 1:
             dist.broadcast(t, group=mesh.get_group("pp"), group_src=dims.pp - 1)
+        local = t.clone()
         if dims.dp > 1:
             dist.all_reduce(t, group=mesh.get_group("dp"))
             t /= dims.dp
-        return t.item()
+        return tuple(torch.cat([t, local]).tolist())
 
 
 def _agree_to_stop(should_stop, dev, world: int) -> bool:
@@ -156,8 +158,7 @@ def _loop(cfg, runner, batches, mesh, dims, rank, world, dev, pg_backend, publis
         else:
             loss = runner.train_step(micro_batches)
         device.synchronize(pg_backend)
-        local = float(torch.as_tensor(loss).detach().float())  # this rank's own batches
-        loss = _global_loss(loss, mesh, dims, dev, timer)
+        loss, local = _global_loss(loss, mesh, dims, dev, timer)
         step_s = timer.end_step()
         comm_s = timer.comm_s()
         record = {"step": step, "rank": rank, "loss": loss, "local_loss": local,
