@@ -82,6 +82,16 @@ def progress(label: str) -> tuple[int, int] | None:
     return int(done), int(total)
 
 
+def start_picker(page) -> Picker:
+    """Run a test notebook's first two cells (the pool, then the picker) and return the
+    picker once its Run button is on the page."""
+    run_cell(page, 0)
+    run_cell(page, 1)
+    picker = Picker(page)
+    picker.run_button.wait_for(timeout=60_000)
+    return picker
+
+
 class Picker:
     """The StrategyPicker's controls in the page, found by their labels."""
 

@@ -23,6 +23,7 @@ from tests.browser.notebook_driver import (
     open_fresh,
     progress,
     run_cell,
+    start_picker,
 )
 
 STEPS = 1500  # tiny_gpt ddp on 2 idle CPU cores: about 13 ms a step, 20 s
@@ -123,9 +124,7 @@ def test_picker_run_grows_the_curves_while_it_trains(lab, browser):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page, console = open_fresh(browser, lab, "live_dashboard.ipynb", CELLS)
     try:
-        run_cell(page, 0)
-        run_cell(page, 1)
-        Picker(page).run_button.wait_for(timeout=60_000)
+        start_picker(page)
         shots = {0.25: None, 0.5: None}
         first = _shown_run(page, lab, shots)  # what a participant sees, screenshots taken
         page.locator(".nbpar-dashboard").screenshot(path=str(ARTIFACTS / "live_done.png"))

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from tests.browser.conftest import ARTIFACTS
-from tests.browser.notebook_driver import Picker, open_fresh, run_cell
+from tests.browser.notebook_driver import open_fresh, run_cell, start_picker
 
 try:
     from playwright.sync_api import expect
@@ -140,10 +140,7 @@ def test_picker_explains_every_state_and_never_traps(lab, browser):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page, console = open_fresh(browser, lab, "picker.ipynb", CELLS)
     try:
-        run_cell(page, 0)
-        run_cell(page, 1)
-        picker = Picker(page)
-        picker.run_button.wait_for(timeout=60_000)
+        picker = start_picker(page)
         _ready(picker, "ddp")
         page.locator(".nbpar-picker").screenshot(path=str(ARTIFACTS / "picker_ready.png"))
         _every_strategy(picker)
