@@ -32,9 +32,10 @@ $(VENV)/.done: pyproject.toml scripts/install_torch.sh scripts/install_mpi.sh sc
 
 test: setup lint test-unit test-notebooks test-browser
 
-# ruff is the one linter (its rules are in pyproject.toml)
+# ruff is the one linter and formatter (its rules are in pyproject.toml)
 lint: setup
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 test-unit: setup
 	@mkdir -p .tmp

@@ -12,6 +12,7 @@ alternate which goes first. Both sides run on the same live pool.
 Target: the median over pairs of (following / not) <= 1.02.
 Writes results/dashboard_overhead.json.
 """
+
 import argparse
 import time
 
@@ -25,8 +26,13 @@ SIZES = {"d_model": 128, "n_layers": 4, "seq_len": 128}  # as ddp_vs_torchrun.py
 
 def timed(pool, args, steps: int, dashboard: bool) -> dict:
     """Wall time of one run, from ``pool.train`` to its result (dashboard inside)."""
-    cfg = nbpar.TrainConfig(model="tiny_gpt", strategy="ddp", micro_batch=args.micro_batch,
-                            steps=steps, gpt=nbpar.GPTConfig(**SIZES))
+    cfg = nbpar.TrainConfig(
+        model="tiny_gpt",
+        strategy="ddp",
+        micro_batch=args.micro_batch,
+        steps=steps,
+        gpt=nbpar.GPTConfig(**SIZES),
+    )
     t = time.perf_counter()
     run = pool.train(cfg)
     dash = None
@@ -52,25 +58,38 @@ def main():
     args = p.parse_args()
     if args.pairs < 5:
         p.error("--pairs: at least 5")
-    rec = Recorder("dashboard_overhead", "run wall time, live dashboard following vs not",
-                   __doc__.split("\n\n", 2)[2].split("\n\nTarget")[0], repeats=args.pairs,
-                   config={"engines": 2, "steps": args.steps, "micro_batch": args.micro_batch,
-                           **SIZES})
+    rec = Recorder(
+        "dashboard_overhead",
+        "run wall time, live dashboard following vs not",
+        __doc__.split("\n\n", 2)[2].split("\n\nTarget")[0],
+        repeats=args.pairs,
+        config={"engines": 2, "steps": args.steps, "micro_batch": args.micro_batch, **SIZES},
+    )
     with nbpar.Pool(2) as pool:
         timed(pool, args, 2, True)  # warm-up both ways, not recorded
         timed(pool, args, 2, False)
         for i in range(args.pairs):
             order = (True, False) if i % 2 == 0 else (False, True)
             got = {on: timed(pool, args, args.steps, on) for on in order}
-            rec.row(pair=i, first="following" if order[0] else "not", following=got[True],
-                    not_following=got[False],
-                    ratio=got[True]["wall_s"] / got[False]["wall_s"])
+            rec.row(
+                pair=i,
+                first="following" if order[0] else "not",
+                following=got[True],
+                not_following=got[False],
+                ratio=got[True]["wall_s"] / got[False]["wall_s"],
+            )
     rows = rec.rows
-    rec.figure(f"following / not, wall time of {args.steps} steps",
-               [r["ratio"] for r in rows], "x", "<= 1.02", digits=3)
+    rec.figure(
+        f"following / not, wall time of {args.steps} steps",
+        [r["ratio"] for r in rows],
+        "x",
+        "<= 1.02",
+        digits=3,
+    )
     rec.figure("wall time, following", [r["following"]["wall_s"] for r in rows], "s", digits=3)
-    rec.figure("wall time, not following", [r["not_following"]["wall_s"] for r in rows], "s",
-               digits=3)
+    rec.figure(
+        "wall time, not following", [r["not_following"]["wall_s"] for r in rows], "s", digits=3
+    )
     rec.save()
 
 

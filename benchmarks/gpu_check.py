@@ -18,6 +18,7 @@ GPU detected"), and nbpar's gloo engines compute on CPU, so that form is
 reported as skipped, not measured. ``--dry-run`` runs 2 steps of a tiny
 config on the CPU (gloo, mfu null) to check the script itself.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,14 +27,19 @@ import statistics
 import sys
 
 DEFAULT_STRATEGIES = "single,ddp,zero1,zero2,zero3"
-SHARED_GPU = ("nccl refuses two ranks on one GPU (duplicate GPU); nbpar's gloo engines "
-              "compute on CPU, so 2 engines sharing a GPU is not a measurable form")
+SHARED_GPU = (
+    "nccl refuses two ranks on one GPU (duplicate GPU); nbpar's gloo engines "
+    "compute on CPU, so 2 engines sharing a GPU is not a measurable form"
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--strategies", default=DEFAULT_STRATEGIES,
-                   help=f"comma-separated, each run at world size 1 (default {DEFAULT_STRATEGIES})")
+    p.add_argument(
+        "--strategies",
+        default=DEFAULT_STRATEGIES,
+        help=f"comma-separated, each run at world size 1 (default {DEFAULT_STRATEGIES})",
+    )
     p.add_argument("--d-model", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=16)
@@ -42,10 +48,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=12, help="optimizer steps per strategy")
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the timing")
     p.add_argument("--precision", choices=("bf16", "fp32", "fp16"), default="bf16")
-    p.add_argument("--peak-tflops", type=float, default=None,
-                   help="peak bf16 TFLOP/s of the GPU when its name is not in the table")
-    p.add_argument("--dry-run", action="store_true",
-                   help="2 steps of a tiny config on the CPU (mfu null): checks the script")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="peak bf16 TFLOP/s of the GPU when its name is not in the table",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="2 steps of a tiny config on the CPU (mfu null): checks the script",
+    )
     args = p.parse_args(argv)
     if args.dry_run:
         args.d_model, args.layers, args.heads, args.seq_len = 32, 2, 4, 32
@@ -72,21 +85,33 @@ def measure(strategy: str, args, fpt: int, peak: float | None) -> dict:
     from nbpar.config import GPTConfig, TrainConfig
     from nbpar.train.loop import run_training
 
-    cfg = TrainConfig(model="tiny_gpt", strategy=strategy, micro_batch=args.micro_batch,
-                      steps=args.steps, precision=args.precision,
-                      gpt=GPTConfig(d_model=args.d_model, n_layers=args.layers,
-                                    n_heads=args.heads, seq_len=args.seq_len))
+    cfg = TrainConfig(
+        model="tiny_gpt",
+        strategy=strategy,
+        micro_batch=args.micro_batch,
+        steps=args.steps,
+        precision=args.precision,
+        gpt=GPTConfig(
+            d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, seq_len=args.seq_len
+        ),
+    )
     try:
         res = run_training(cfg)
     except Exception as err:  # one strategy failing must not hide the others
         return {"strategy": strategy, "error": f"{type(err).__name__}: {err}"}
-    timed = res["history"][args.warmup:]
+    timed = res["history"][args.warmup :]
     step_s = statistics.median(r["step_time_s"] for r in timed)
     tokens_per_s = args.micro_batch * args.seq_len / step_s
     achieved = tokens_per_s * fpt
-    return {"strategy": strategy, "step_time_s": step_s, "tokens_per_s": tokens_per_s,
-            "tflops": achieved / 1e12, "mfu": achieved / peak if peak else None,
-            "peak_bytes": res["peak_bytes"], "losses": res["losses"]}
+    return {
+        "strategy": strategy,
+        "step_time_s": step_s,
+        "tokens_per_s": tokens_per_s,
+        "tflops": achieved / 1e12,
+        "mfu": achieved / peak if peak else None,
+        "peak_bytes": res["peak_bytes"],
+        "losses": res["losses"],
+    }
 
 
 def main(argv=None) -> dict:
@@ -103,22 +128,36 @@ def main(argv=None) -> dict:
     peak = None
     if gpus:
         peak = args.peak_tflops * 1e12 if args.peak_tflops else device.peak_flops_hint(name)
-    gpt = GPTConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
-                    seq_len=args.seq_len)
-    params = sum(p.numel() for p in build_model(TrainConfig(model="tiny_gpt", gpt=gpt))
-                 .parameters())
+    gpt = GPTConfig(
+        d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, seq_len=args.seq_len
+    )
+    params = sum(
+        p.numel() for p in build_model(TrainConfig(model="tiny_gpt", gpt=gpt)).parameters()
+    )
     fpt = flops_per_token(params, args.layers, args.seq_len, args.d_model)
     _init_world_of_one(backend)
-    runs = [measure(s.strip(), args, fpt, peak)
-            for s in args.strategies.split(",") if s.strip()]
+    runs = [measure(s.strip(), args, fpt, peak) for s in args.strategies.split(",") if s.strip()]
     torch.distributed.destroy_process_group()
-    return {"device": name, "gpus": gpus, "backend": backend, "precision": args.precision,
-            "peak_tflops": peak / 1e12 if peak else None, "dry_run": args.dry_run,
-            "model": {"d_model": args.d_model, "n_layers": args.layers,
-                      "n_heads": args.heads, "seq_len": args.seq_len, "params": params},
-            "micro_batch": args.micro_batch, "flops_per_token": fpt, "runs": runs,
-            "shared_gpu": {"skipped": SHARED_GPU},
-            "note": None if peak or not gpus else "unknown GPU: pass --peak-tflops for MFU"}
+    return {
+        "device": name,
+        "gpus": gpus,
+        "backend": backend,
+        "precision": args.precision,
+        "peak_tflops": peak / 1e12 if peak else None,
+        "dry_run": args.dry_run,
+        "model": {
+            "d_model": args.d_model,
+            "n_layers": args.layers,
+            "n_heads": args.heads,
+            "seq_len": args.seq_len,
+            "params": params,
+        },
+        "micro_batch": args.micro_batch,
+        "flops_per_token": fpt,
+        "runs": runs,
+        "shared_gpu": {"skipped": SHARED_GPU},
+        "note": None if peak or not gpus else "unknown GPU: pass --peak-tflops for MFU",
+    }
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ between boxes add, reported per m.
 
 Writes results/pipeline_bubble.json.
 """
+
 import argparse
 import statistics
 
@@ -33,39 +34,80 @@ def main():
     p.add_argument("--schedule", default="gpipe")
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
-    gpt = GPTConfig(d_model=args.d_model, n_layers=args.layers, n_heads=4,
-                    seq_len=args.seq_len)
-    rec = Recorder("pipeline_bubble", f"measured {args.schedule} bubble vs (p-1)/(m+p-1), p=2",
-                   __doc__.split("\n\n", 2)[2].split("\n\nWrites")[0], repeats=args.repeats,
-                   config={"engines": 2, "schedule": args.schedule, "micro_batch": 2,
-                           "steps": args.steps, "d_model": args.d_model,
-                           "layers": args.layers, "seq_len": args.seq_len})
+    gpt = GPTConfig(d_model=args.d_model, n_layers=args.layers, n_heads=4, seq_len=args.seq_len)
+    rec = Recorder(
+        "pipeline_bubble",
+        f"measured {args.schedule} bubble vs (p-1)/(m+p-1), p=2",
+        __doc__.split("\n\n", 2)[2].split("\n\nWrites")[0],
+        repeats=args.repeats,
+        config={
+            "engines": 2,
+            "schedule": args.schedule,
+            "micro_batch": 2,
+            "steps": args.steps,
+            "d_model": args.d_model,
+            "layers": args.layers,
+            "seq_len": args.seq_len,
+        },
+    )
     with nbpar.Pool(2, env={"OMP_NUM_THREADS": "1"}) as pool:
         for i in range(args.repeats):  # rounds; the order of m alternates between them
-            for m in (args.micro_batches if i % 2 == 0 else args.micro_batches[::-1]):
-                cfg = nbpar.TrainConfig(model="tiny_gpt", strategy="pipeline",
-                                        schedule=args.schedule, micro_batch=2, grad_accum=m,
-                                        steps=args.steps, gpt=gpt)
+            for m in args.micro_batches if i % 2 == 0 else args.micro_batches[::-1]:
+                cfg = nbpar.TrainConfig(
+                    model="tiny_gpt",
+                    strategy="pipeline",
+                    schedule=args.schedule,
+                    micro_batch=2,
+                    grad_accum=m,
+                    steps=args.steps,
+                    gpt=gpt,
+                )
                 per_rank = pool.train(cfg).per_rank()
                 measured = statistics.median(r["bubble_fraction"] for r in per_rank.values())
-                forced = statistics.median(r["schedule_bubble_fraction"]
-                                           for r in per_rank.values())
-                rec.row(repeat=i, p=2, m=m, measured=measured, forced=forced,
-                        theory=theory_bubble(2, m),
-                        diff_points=100 * (measured - theory_bubble(2, m)),
-                        forced_diff_points=100 * (forced - theory_bubble(2, m)),
-                        gap_points=100 * (measured - forced))
+                forced = statistics.median(r["schedule_bubble_fraction"] for r in per_rank.values())
+                rec.row(
+                    repeat=i,
+                    p=2,
+                    m=m,
+                    measured=measured,
+                    forced=forced,
+                    theory=theory_bubble(2, m),
+                    diff_points=100 * (measured - theory_bubble(2, m)),
+                    forced_diff_points=100 * (forced - theory_bubble(2, m)),
+                    gap_points=100 * (measured - forced),
+                )
     for m in args.micro_batches:
-        rec.figure(f"bubble, m={m} (theory {theory_bubble(2, m):.3f})",
-                   [r["measured"] for r in rec.rows if r["m"] == m], "", digits=3)
-        rec.figure(f"of which send/recv and work between boxes, m={m}",
-                   [r["gap_points"] for r in rec.rows if r["m"] == m], "points", digits=3)
-    rec.figure("|schedule's bubble - theory| in points, worst m",
-               [max(abs(r["forced_diff_points"]) for r in rec.rows if r["repeat"] == i)
-                for i in range(args.repeats)], "points", "<= 5", digits=3)
-    rec.figure("|measured - theory| in points, worst m",
-               [max(abs(r["diff_points"]) for r in rec.rows if r["repeat"] == i)
-                for i in range(args.repeats)], "points", digits=3)
+        rec.figure(
+            f"bubble, m={m} (theory {theory_bubble(2, m):.3f})",
+            [r["measured"] for r in rec.rows if r["m"] == m],
+            "",
+            digits=3,
+        )
+        rec.figure(
+            f"of which send/recv and work between boxes, m={m}",
+            [r["gap_points"] for r in rec.rows if r["m"] == m],
+            "points",
+            digits=3,
+        )
+    rec.figure(
+        "|schedule's bubble - theory| in points, worst m",
+        [
+            max(abs(r["forced_diff_points"]) for r in rec.rows if r["repeat"] == i)
+            for i in range(args.repeats)
+        ],
+        "points",
+        "<= 5",
+        digits=3,
+    )
+    rec.figure(
+        "|measured - theory| in points, worst m",
+        [
+            max(abs(r["diff_points"]) for r in rec.rows if r["repeat"] == i)
+            for i in range(args.repeats)
+        ],
+        "points",
+        digits=3,
+    )
     rec.save()
 
 

@@ -15,6 +15,7 @@ Rank 0 prints one JSON line:
   (the slowest rank's), the same window `ddp_vs_torchrun.py` reads from nbpar's records;
 - ``step_time_s``: the median step (data loading excluded, as in nbpar).
 """
+
 import argparse
 import json
 import os
@@ -33,9 +34,13 @@ from nbpar.train.models import build_model, loss_fn
 def train(args, rank: int, world: int) -> tuple[list[float], list[float], float]:
     """Build everything and run the steps: (step times, wall clock at each step's end,
     the last step's loss of the global batch)."""
-    cfg = TrainConfig(model=args.model, strategy="ddp", micro_batch=args.micro_batch,
-                      steps=args.steps, gpt=GPTConfig(d_model=args.d_model, n_layers=args.layers,
-                                                      seq_len=args.seq_len))
+    cfg = TrainConfig(
+        model=args.model,
+        strategy="ddp",
+        micro_batch=args.micro_batch,
+        steps=args.steps,
+        gpt=GPTConfig(d_model=args.d_model, n_layers=args.layers, seq_len=args.seq_len),
+    )
     model = DDP(build_model(cfg))
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     criterion = loss_fn(cfg.model)
@@ -80,8 +85,16 @@ def main():
     loops = [None] * world
     dist.all_gather_object(loops, ends[-1] - ends[0])
     if rank == 0:
-        print(json.dumps({"wall_s": wall, "loop_s": max(loops),
-                          "step_time_s": statistics.median(times[1:] or times), "last_loss": last}))
+        print(
+            json.dumps(
+                {
+                    "wall_s": wall,
+                    "loop_s": max(loops),
+                    "step_time_s": statistics.median(times[1:] or times),
+                    "last_loss": last,
+                }
+            )
+        )
     dist.destroy_process_group()
 
 

@@ -16,6 +16,7 @@ Targets: start-up ratio <= 0.5, cell ratios <= 1.1, restart after a hang <= 2.5 
 (median over repeats).
 Writes results/pool_startup.json.
 """
+
 import argparse
 import statistics
 import time
@@ -50,23 +51,29 @@ def cells(engines: int, reps: int) -> dict:
     try:
         cluster, view, _ = start_baseline(engines)
         try:
-            runs = {"nbpar": pool.execute,
-                    "baseline": lambda c: view.execute(c, silent=False, block=True)}
+            runs = {
+                "nbpar": pool.execute,
+                "baseline": lambda c: view.execute(c, silent=False, block=True),
+            }
             got = {(who, kind): [] for who in runs for kind in ("cell", "allreduce")}
             for i in range(reps + 1):  # the first round warms up
-                for who in (list(runs) if i % 2 else list(runs)[::-1]):
+                for who in list(runs) if i % 2 else list(runs)[::-1]:
                     cell, ar = ms(runs[who], "pass"), ms(runs[who], ALLREDUCE)
                     if i:
                         got[who, "cell"].append(cell)
                         got[who, "allreduce"].append(ar)
         finally:
             cluster.stop_cluster_sync()
-        restart = {"restart_s": time_restart(pool),
-                   "restart_cold_s": time_restart(pool, after_hang=False)}
+        restart = {
+            "restart_s": time_restart(pool),
+            "restart_cold_s": time_restart(pool, after_hang=False),
+        }
     finally:
         pool.shutdown()
-    return {**{f"{who}_{kind}_ms": statistics.median(v) for (who, kind), v in got.items()},
-            **restart}
+    return {
+        **{f"{who}_{kind}_ms": statistics.median(v) for (who, kind), v in got.items()},
+        **restart,
+    }
 
 
 def main():
@@ -75,29 +82,53 @@ def main():
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--cells", type=int, default=20, help="round trips per repeat")
     args = p.parse_args()
-    rec = Recorder("pool_startup", "pool start-up and cell round trips vs raw ipyparallel",
-                   __doc__.split("\n\n", 2)[2].split("\n\nTargets")[0], repeats=args.repeats,
-                   config={"engines": args.engines, "cells_per_repeat": args.cells})
+    rec = Recorder(
+        "pool_startup",
+        "pool start-up and cell round trips vs raw ipyparallel",
+        __doc__.split("\n\n", 2)[2].split("\n\nTargets")[0],
+        repeats=args.repeats,
+        config={"engines": args.engines, "cells_per_repeat": args.cells},
+    )
     for i in range(args.repeats):
         up = ready(args.engines, "nbpar" if i % 2 == 0 else "baseline")
-        rec.row(repeat=i, nbpar_ready_s=up["nbpar"], baseline_ready_s=up["baseline"],
-                **cells(args.engines, args.cells))
+        rec.row(
+            repeat=i,
+            nbpar_ready_s=up["nbpar"],
+            baseline_ready_s=up["baseline"],
+            **cells(args.engines, args.cells),
+        )
     rows = rec.rows
-    rec.figure(f"Pool({args.engines}) to a completed all_reduce, nbpar / baseline",
-               [r["nbpar_ready_s"] / r["baseline_ready_s"] for r in rows], "x", "<= 0.5", 3)
+    rec.figure(
+        f"Pool({args.engines}) to a completed all_reduce, nbpar / baseline",
+        [r["nbpar_ready_s"] / r["baseline_ready_s"] for r in rows],
+        "x",
+        "<= 0.5",
+        3,
+    )
     rec.figure("start-up, nbpar", [r["nbpar_ready_s"] for r in rows], "s", digits=3)
     rec.figure("start-up, raw ipyparallel", [r["baseline_ready_s"] for r in rows], "s", digits=3)
     for kind, what in (("cell", "trivial cell"), ("allreduce", "cell with one all_reduce")):
-        rec.figure(f"{what} round trip, nbpar / baseline",
-                   [r[f"nbpar_{kind}_ms"] / r[f"baseline_{kind}_ms"] for r in rows], "x",
-                   "<= 1.1", 3)
+        rec.figure(
+            f"{what} round trip, nbpar / baseline",
+            [r[f"nbpar_{kind}_ms"] / r[f"baseline_{kind}_ms"] for r in rows],
+            "x",
+            "<= 1.1",
+            3,
+        )
         rec.figure(f"{what}, nbpar", [r[f"nbpar_{kind}_ms"] for r in rows], "ms", digits=3)
-        rec.figure(f"{what}, raw ipyparallel", [r[f"baseline_{kind}_ms"] for r in rows], "ms",
-                   digits=3)
-    rec.figure(f"restart after a hang, {args.engines} engines to a completed all_reduce",
-               [r["restart_s"] for r in rows], "s", "<= 2.5", 3)
-    rec.figure("restart with no spares prepared", [r["restart_cold_s"] for r in rows], "s",
-               digits=3)
+        rec.figure(
+            f"{what}, raw ipyparallel", [r[f"baseline_{kind}_ms"] for r in rows], "ms", digits=3
+        )
+    rec.figure(
+        f"restart after a hang, {args.engines} engines to a completed all_reduce",
+        [r["restart_s"] for r in rows],
+        "s",
+        "<= 2.5",
+        3,
+    )
+    rec.figure(
+        "restart with no spares prepared", [r["restart_cold_s"] for r in rows], "s", digits=3
+    )
     rec.save()
 
 

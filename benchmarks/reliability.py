@@ -10,6 +10,7 @@ where rank 0 waits in an all_reduce rank 1 never joins, run with ``timeout=2``
 
 Writes results/reliability.json.
 """
+
 import argparse
 import os
 import signal
@@ -21,10 +22,14 @@ from results import Recorder
 import nbpar
 from nbpar.errors import DistTimeout, EngineDied
 
-LOOP = ("import time, torch, torch.distributed as dist\n"
-        "for _ in range(1000):\n    dist.all_reduce(torch.ones(1))\n    time.sleep(0.05)")
-HANG = ("import torch, torch.distributed as dist\n"
-        "if dist.get_rank() == 0:\n    dist.all_reduce(torch.ones(1))")
+LOOP = (
+    "import time, torch, torch.distributed as dist\n"
+    "for _ in range(1000):\n    dist.all_reduce(torch.ones(1))\n    time.sleep(0.05)"
+)
+HANG = (
+    "import torch, torch.distributed as dist\n"
+    "if dist.get_rank() == 0:\n    dist.all_reduce(torch.ones(1))"
+)
 
 
 def once(pool) -> dict:
@@ -57,20 +62,32 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
-    rec = Recorder("reliability", "engine kill, pool restart, hung cell (2 engines)",
-                   __doc__.split("\n\n", 2)[2].split("\n\nWrites")[0], repeats=args.repeats,
-                   config={"engines": 2, "cell_timeout_s": 2})
+    rec = Recorder(
+        "reliability",
+        "engine kill, pool restart, hung cell (2 engines)",
+        __doc__.split("\n\n", 2)[2].split("\n\nWrites")[0],
+        repeats=args.repeats,
+        config={"engines": 2, "cell_timeout_s": 2},
+    )
     with nbpar.Pool(2) as pool:
         for i in range(args.repeats):
             rec.row(repeat=i, **once(pool))
     missing = [k for r in rec.rows for k, v in r.items() if v is None]
     if missing:
         raise RuntimeError(f"expected errors not raised: {missing}")
-    rec.figure("SIGKILL of an engine to EngineDied", [r["kill_to_error_s"] for r in rec.rows],
-               "s", digits=3)
+    rec.figure(
+        "SIGKILL of an engine to EngineDied",
+        [r["kill_to_error_s"] for r in rec.rows],
+        "s",
+        digits=3,
+    )
     rec.figure("restart of a 2-engine pool", [r["restart_s"] for r in rec.rows], "s", digits=3)
-    rec.figure("hung cell with --timeout 2 returns", [r["hung_cell_returns_s"]
-                                                       for r in rec.rows], "s", digits=3)
+    rec.figure(
+        "hung cell with --timeout 2 returns",
+        [r["hung_cell_returns_s"] for r in rec.rows],
+        "s",
+        digits=3,
+    )
     rec.save()
 
 

@@ -14,6 +14,7 @@ A figure is the median over its repeats and its spread (min and max, n values);
 a target is written ``"<= 1.05"`` (or ``<``, ``>=``, ``>``) and judged on the median.
 `benchmarks/report.py` turns the files into the README's tables.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -28,8 +29,20 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().with_name("results")
-REQUIRED = ("name", "title", "method", "date", "cpu_model", "cores", "torch", "load_avg",
-            "repeats", "config", "figures", "rows")
+REQUIRED = (
+    "name",
+    "title",
+    "method",
+    "date",
+    "cpu_model",
+    "cores",
+    "torch",
+    "load_avg",
+    "repeats",
+    "config",
+    "figures",
+    "rows",
+)
 _OPS = {"<=": operator.le, "<": operator.lt, ">=": operator.ge, ">": operator.gt}
 FIGURE_KEYS = ("label", "unit", "median", "min", "max", "n", "values", "target", "meets")
 
@@ -42,8 +55,16 @@ def load_avg() -> float:
 class Recorder:
     """Collects a benchmark's figures and rows; `save()` writes its results file."""
 
-    def __init__(self, name: str, title: str, method: str, *, repeats: int,
-                 config: dict | None = None, notes: str = ""):
+    def __init__(
+        self,
+        name: str,
+        title: str,
+        method: str,
+        *,
+        repeats: int,
+        config: dict | None = None,
+        notes: str = "",
+    ):
         self.name, self.title, self.method = name, title, " ".join(method.split())
         self.repeats, self.config, self.notes = repeats, dict(config or {}), notes
         self.figures: list[dict] = []
@@ -51,8 +72,9 @@ class Recorder:
         self.load_start = load_avg()
         self.started = time.monotonic()
 
-    def figure(self, label: str, values, unit: str = "", target: str | None = None,
-               digits: int = 4) -> dict:
+    def figure(
+        self, label: str, values, unit: str = "", target: str | None = None, digits: int = 4
+    ) -> dict:
         """Add a figure: the median and spread of ``values`` (one per repeat)."""
         fig = {"label": label, "unit": unit, **spread(values, digits), "target": target}
         fig["meets"] = meets(fig["median"], target)
@@ -63,11 +85,19 @@ class Recorder:
         self.rows.append(values)
 
     def save(self, root: Path = RESULTS) -> Path:
-        data = {"name": self.name, "title": self.title, "method": self.method,
-                **environment(), "load_avg": {"start": self.load_start, "end": load_avg()},
-                "seconds": round(time.monotonic() - self.started, 1),
-                "repeats": self.repeats, "config": self.config, "notes": self.notes,
-                "figures": self.figures, "rows": self.rows}
+        data = {
+            "name": self.name,
+            "title": self.title,
+            "method": self.method,
+            **environment(),
+            "load_avg": {"start": self.load_start, "end": load_avg()},
+            "seconds": round(time.monotonic() - self.started, 1),
+            "repeats": self.repeats,
+            "config": self.config,
+            "notes": self.notes,
+            "figures": self.figures,
+            "rows": self.rows,
+        }
         try:
             return write(data, root)
         except ValueError:  # keep what was measured, to see what went wrong
@@ -80,10 +110,15 @@ class Recorder:
 def spread(values, digits: int = 4) -> dict:
     """Median, min, max and count of ``values``, rounded to ``digits`` significant."""
     vals = [_round(float(v), digits) for v in values]  # the file holds these, and the
-    if not vals:                                       # median is exactly theirs
+    if not vals:  # median is exactly theirs
         raise ValueError("a figure needs at least one value")
-    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals),
-            "n": len(vals), "values": vals}
+    return {
+        "median": statistics.median(vals),
+        "min": min(vals),
+        "max": max(vals),
+        "n": len(vals),
+        "values": vals,
+    }
 
 
 def _round(value: float, digits: int) -> float:
@@ -108,8 +143,12 @@ def environment() -> dict:
     from nbpar.device import cpu_model
 
     now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
-    return {"date": now.isoformat(), "cpu_model": cpu_model(), "cores": os.cpu_count(),
-            "torch": torch.__version__}
+    return {
+        "date": now.isoformat(),
+        "cpu_model": cpu_model(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+    }
 
 
 def problems(data: dict) -> list[str]:
@@ -148,12 +187,14 @@ def write(data: dict, root: Path = RESULTS) -> Path:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     tmp.replace(path)
-    print(json.dumps({"results": str(path), "figures": {f["label"]: f["median"]
-                                                        for f in data["figures"]}}))
+    print(
+        json.dumps(
+            {"results": str(path), "figures": {f["label"]: f["median"] for f in data["figures"]}}
+        )
+    )
     return path
 
 
 def read_all(root: Path = RESULTS) -> dict[str, dict]:
     """Every results file under ``root``, by benchmark name."""
-    return {p.stem: json.loads(p.read_text(encoding="utf-8"))
-            for p in sorted(root.glob("*.json"))}
+    return {p.stem: json.loads(p.read_text(encoding="utf-8")) for p in sorted(root.glob("*.json"))}

@@ -15,6 +15,7 @@ engine with 2 threads suffers most when other work keeps the cores busy.
 
 Writes results/scaling.json.
 """
+
 import argparse
 import statistics
 
@@ -35,14 +36,22 @@ def _threads() -> int:
 def one(engines: int, steps: int) -> dict:
     with nbpar.Pool(engines) as pool:
         strategy = "single" if engines == 1 else "ddp"
-        run = pool.train(nbpar.TrainConfig(model="tiny_gpt", strategy=strategy, steps=steps,
-                                           micro_batch=GLOBAL_BATCH // engines))
+        run = pool.train(
+            nbpar.TrainConfig(
+                model="tiny_gpt",
+                strategy=strategy,
+                steps=steps,
+                micro_batch=GLOBAL_BATCH // engines,
+            )
+        )
         hist = run.per_rank()[0]["history"][5:]
         threads = pool.client[pool.engine_id(0)].apply_sync(_threads)
-    return {"torch_threads": threads,
-            "step_time_s": statistics.median(r["step_time_s"] for r in hist),
-            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in hist),
-            "comm_fraction": statistics.fmean(r["comm_s"] / r["step_time_s"] for r in hist)}
+    return {
+        "torch_threads": threads,
+        "step_time_s": statistics.median(r["step_time_s"] for r in hist),
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in hist),
+        "comm_fraction": statistics.fmean(r["comm_s"] / r["step_time_s"] for r in hist),
+    }
 
 
 def main():
@@ -50,21 +59,37 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
-    rec = Recorder("scaling", "tiny GPT DDP, global batch 16, 1 / 2 / 4 engines",
-                   __doc__.split("\n\n", 3)[3].split("\n\nWrites")[0], repeats=args.repeats,
-                   config={"engines": list(ENGINES), "global_batch": GLOBAL_BATCH,
-                           "steps": args.steps, "model": "tiny_gpt"})
+    rec = Recorder(
+        "scaling",
+        "tiny GPT DDP, global batch 16, 1 / 2 / 4 engines",
+        __doc__.split("\n\n", 3)[3].split("\n\nWrites")[0],
+        repeats=args.repeats,
+        config={
+            "engines": list(ENGINES),
+            "global_batch": GLOBAL_BATCH,
+            "steps": args.steps,
+            "model": "tiny_gpt",
+        },
+    )
     for i in range(args.repeats):
-        for engines in (ENGINES if i % 2 == 0 else ENGINES[::-1]):
+        for engines in ENGINES if i % 2 == 0 else ENGINES[::-1]:
             rec.row(repeat=i, engines=engines, **one(engines, args.steps))
     for engines in ENGINES:
         mine = [r for r in rec.rows if r["engines"] == engines]
-        rec.figure(f"tokens/s, {engines} engine{'s' if engines > 1 else ''}",
-                   [r["tokens_per_s"] / 1000 for r in mine], "k", digits=3)
+        rec.figure(
+            f"tokens/s, {engines} engine{'s' if engines > 1 else ''}",
+            [r["tokens_per_s"] / 1000 for r in mine],
+            "k",
+            digits=3,
+        )
     for engines in ENGINES[1:]:
         mine = [r for r in rec.rows if r["engines"] == engines]
-        rec.figure(f"communication share of the step, {engines} engines",
-                   [100 * r["comm_fraction"] for r in mine], "%", digits=3)
+        rec.figure(
+            f"communication share of the step, {engines} engines",
+            [100 * r["comm_fraction"] for r in mine],
+            "%",
+            digits=3,
+        )
     rec.save()
 
 

@@ -13,6 +13,7 @@ neighbours (both are recorded, with the load).
 
 Writes results/simulate_scale.json.
 """
+
 import resource
 import time
 
@@ -24,32 +25,53 @@ GPT = dict(d_model=8192, n_layers=86, n_heads=64, ffn_mult=4, vocab_size=32000, 
 
 
 def main():
-    cfg = nbpar.TrainConfig(strategy="hybrid", dp=32, tp=8, pp=4, micro_batch=1,
-                            grad_accum=4, precision="bf16", gpt=nbpar.GPTConfig(**GPT))
-    rec = Recorder("simulate_scale", "70B GPT on 1,024 simulated ranks (dp 32 x tp 8 x pp 4)",
-                   "One nbpar.simulate call: one rank per pipeline stage (4), each built, "
-                   "cut and tp-split on fake tensors, warmed up (an optimizer step on zero "
-                   "gradients creates the Adam state) and run for one measured 1F1B step "
-                   "of 4 micro-batches (1 x 512 tokens); CPU and wall time of the call and "
-                   "the process's peak RSS.",
-                   repeats=1, config={"world_size": 1024, **GPT, "micro_batch": 1,
-                                      "grad_accum": 4, "precision": "bf16"},
-                   notes="the built-in GPT stands in for Llama 70B (same width and depth "
-                         "class); one run: a simulation is deterministic, its time is "
-                         "dominated by Python per op")
+    cfg = nbpar.TrainConfig(
+        strategy="hybrid",
+        dp=32,
+        tp=8,
+        pp=4,
+        micro_batch=1,
+        grad_accum=4,
+        precision="bf16",
+        gpt=nbpar.GPTConfig(**GPT),
+    )
+    rec = Recorder(
+        "simulate_scale",
+        "70B GPT on 1,024 simulated ranks (dp 32 x tp 8 x pp 4)",
+        "One nbpar.simulate call: one rank per pipeline stage (4), each built, "
+        "cut and tp-split on fake tensors, warmed up (an optimizer step on zero "
+        "gradients creates the Adam state) and run for one measured 1F1B step "
+        "of 4 micro-batches (1 x 512 tokens); CPU and wall time of the call and "
+        "the process's peak RSS.",
+        repeats=1,
+        config={"world_size": 1024, **GPT, "micro_batch": 1, "grad_accum": 4, "precision": "bf16"},
+        notes="the built-in GPT stands in for Llama 70B (same width and depth "
+        "class); one run: a simulation is deterministic, its time is "
+        "dominated by Python per op",
+    )
     start, cpu_start = time.perf_counter(), time.process_time()
     sim = nbpar.simulate(cfg, 1024)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-    rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
-    rec.figure("simulate 70B on 1,024 ranks (CPU time)", [cpu], "s", target="< 120",
-               digits=3)
-    rec.figure("simulate 70B on 1,024 ranks (wall time, shared machine)", [seconds], "s",
-               digits=3)
+    rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    rec.figure("simulate 70B on 1,024 ranks (CPU time)", [cpu], "s", target="< 120", digits=3)
+    rec.figure("simulate 70B on 1,024 ranks (wall time, shared machine)", [seconds], "s", digits=3)
     rec.figure("host memory (peak RSS)", [rss_gib], "GiB", target="< 8", digits=3)
     for r in sim["ranks"]:
-        rec.row(rank=r["rank"], stands_for=f"{r['stands_for'][0]}-{r['stands_for'][-1]}",
-                **{k: r[k] for k in ("param_bytes", "grad_bytes", "optim_bytes",
-                                     "activation_bytes", "peak_bytes", "comm_bytes")})
+        rec.row(
+            rank=r["rank"],
+            stands_for=f"{r['stands_for'][0]}-{r['stands_for'][-1]}",
+            **{
+                k: r[k]
+                for k in (
+                    "param_bytes",
+                    "grad_bytes",
+                    "optim_bytes",
+                    "activation_bytes",
+                    "peak_bytes",
+                    "comm_bytes",
+                )
+            },
+        )
     print(sim.table())
     print(f"{cpu:.1f} s CPU, {seconds:.1f} s wall, peak RSS {rss_gib:.2f} GiB")
     rec.save()

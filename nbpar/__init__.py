@@ -5,6 +5,7 @@ register_model, simulate.
 Importing nbpar is cheap: torch and ipyparallel load when first needed, and
 nothing starts processes or touches devices at import time.
 """
+
 from __future__ import annotations
 
 import sys
@@ -29,23 +30,46 @@ _LAZY = {
     "PoolError": ("nbpar.errors", "PoolError"),
 }
 
-__all__ = ["Pool", "TrainConfig", "compare", "estimate_memory", "StrategyPicker", "log",
-           "register_model", "simulate"]
+__all__ = [
+    "Pool",
+    "TrainConfig",
+    "compare",
+    "estimate_memory",
+    "StrategyPicker",
+    "log",
+    "register_model",
+    "simulate",
+]
 
 # Modules that moved when the package was grouped by where code runs (pool/: the kernel
 # drives engines, train/: inside the engines, parallel/: the strategies, view/: what
 # draws). The old paths keep working: ``import nbpar.memory`` is ``nbpar.estimate``.
 MOVED = {
-    "memory": "estimate", "execute": "pool.execute", "magics": "pool.magics",
-    "launchers": "pool.launchers", "status": "pool.status", "run": "pool.run",
-    "worker": "pool.worker", "models": "train.models", "data": "train.data",
-    "checkpoint": "train.checkpoint", "checkpoint_meta": "train.checkpoint_meta",
-    "metrics": "train.metrics", "lr_schedule": "train.lr_schedule",
-    "userlog": "train.userlog", "timeline": "train.timeline",
-    "ds_config": "parallel.ds_config", "dashboard": "view.dashboard",
-    "panels": "view.panels", "plots": "view.plots", "compare": "view.compare",
-    "widgets": "view.widgets", "history": "view.history", "memory_plot": "view.memory_plot",
-    "export": "view.export", "teaching": "view.teaching",
+    "memory": "estimate",
+    "execute": "pool.execute",
+    "magics": "pool.magics",
+    "launchers": "pool.launchers",
+    "status": "pool.status",
+    "run": "pool.run",
+    "worker": "pool.worker",
+    "models": "train.models",
+    "data": "train.data",
+    "checkpoint": "train.checkpoint",
+    "checkpoint_meta": "train.checkpoint_meta",
+    "metrics": "train.metrics",
+    "lr_schedule": "train.lr_schedule",
+    "userlog": "train.userlog",
+    "timeline": "train.timeline",
+    "ds_config": "parallel.ds_config",
+    "dashboard": "view.dashboard",
+    "panels": "view.panels",
+    "plots": "view.plots",
+    "compare": "view.compare",
+    "widgets": "view.widgets",
+    "history": "view.history",
+    "memory_plot": "view.memory_plot",
+    "export": "view.export",
+    "teaching": "view.teaching",
 }
 
 

@@ -3,6 +3,7 @@
 With ``--json`` exactly one JSON object goes to stdout. Bad arguments exit
 with code 2 and one line on stderr, before anything starts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,11 +53,31 @@ def _non_negative_float(text: str) -> float:
 
 
 # CLI flag (argparse dest) -> TrainConfig field, for the flags that set one
-TRAIN_FIELDS = ("strategy", "backend", "dp", "tp", "pp", "schedule", "model", "dataset", "loss",
-                "activation_checkpointing",
-                "steps", "micro_batch", "grad_accum", "lr", "optimizer", "grad_clip",
-                "precision", "offload", "deepspeed_config", "seed", "checkpoint_dir",
-                "checkpoint_every", "resume_from")
+TRAIN_FIELDS = (
+    "strategy",
+    "backend",
+    "dp",
+    "tp",
+    "pp",
+    "schedule",
+    "model",
+    "dataset",
+    "loss",
+    "activation_checkpointing",
+    "steps",
+    "micro_batch",
+    "grad_accum",
+    "lr",
+    "optimizer",
+    "grad_clip",
+    "precision",
+    "offload",
+    "deepspeed_config",
+    "seed",
+    "checkpoint_dir",
+    "checkpoint_every",
+    "resume_from",
+)
 
 
 def build_parser() -> _Parser:
@@ -72,11 +93,17 @@ def build_parser() -> _Parser:
     for dim in ("dp", "tp", "pp"):
         t.add_argument(f"--{dim}", type=_positive_int, default=None)
     t.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default=None)
-    t.add_argument("--model", default=None,
-                   help="simple_cnn, tiny_gpt, hf:gpt2, hf:llama or package.module:function")
-    t.add_argument("--model-config", default=None,
-                   help="JSON: an hf family's config fields, a factory's keyword arguments, "
-                        "tiny_gpt's gpt sizes")
+    t.add_argument(
+        "--model",
+        default=None,
+        help="simple_cnn, tiny_gpt, hf:gpt2, hf:llama or package.module:function",
+    )
+    t.add_argument(
+        "--model-config",
+        default=None,
+        help="JSON: an hf family's config fields, a factory's keyword arguments, "
+        "tiny_gpt's gpt sizes",
+    )
     t.add_argument("--dataset", default=None, help="a built-in name or package.module:function")
     t.add_argument("--loss", default=None, help="package.module:function(output, target)")
     t.add_argument("--activation-checkpointing", action="store_true", default=None)
@@ -85,12 +112,19 @@ def build_parser() -> _Parser:
     t.add_argument("--grad-accum", type=_positive_int, default=None)
     t.add_argument("--lr", type=_positive_float, default=None)
     t.add_argument("--optimizer", choices=("adam", "adamw", "sgd"), default=None)
-    t.add_argument("--grad-clip", type=_non_negative_float, default=None,
-                   help="clip the global gradient norm; 0 = never (the default)")
+    t.add_argument(
+        "--grad-clip",
+        type=_non_negative_float,
+        default=None,
+        help="clip the global gradient norm; 0 = never (the default)",
+    )
     t.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None)
     t.add_argument("--offload", choices=("none", "optimizer", "params"), default=None)
-    t.add_argument("--deepspeed-config", default=None,
-                   help="path to a ds_config.json; flags not given are taken from it")
+    t.add_argument(
+        "--deepspeed-config",
+        default=None,
+        help="path to a ds_config.json; flags not given are taken from it",
+    )
     t.add_argument("--seed", type=int, default=None)
     t.add_argument("--checkpoint-dir", default=None)
     t.add_argument("--checkpoint-every", type=_positive_int, default=None)
@@ -128,8 +162,7 @@ def train_config(args):
     """
     from nbpar.config import TrainConfig, model_config_fields
 
-    given = {name: getattr(args, name) for name in TRAIN_FIELDS
-             if getattr(args, name) is not None}
+    given = {name: getattr(args, name) for name in TRAIN_FIELDS if getattr(args, name) is not None}
     try:
         if args.model_config is not None:
             given.update(model_config_fields(given.get("model", "tiny_gpt"), args.model_config))
@@ -173,8 +206,13 @@ def _follow(run, steps: int) -> None:
 
     from tqdm import tqdm
 
-    with tqdm(total=steps, desc=f"{run.cfg.strategy}/{run.cfg.backend}", unit="step",
-              file=sys.stderr, dynamic_ncols=True) as bar:
+    with tqdm(
+        total=steps,
+        desc=f"{run.cfg.strategy}/{run.cfg.backend}",
+        unit="step",
+        file=sys.stderr,
+        dynamic_ncols=True,
+    ) as bar:
         while not run.done():
             history = run.history
             done = len({rec["step"] for rec in history})
@@ -189,9 +227,17 @@ def cmd_estimate(args) -> dict:
     from nbpar.estimate import estimate_memory
 
     try:
-        est = estimate_memory(args.params, args.world_size, args.strategy, dp=args.dp,
-                              tp=args.tp, pp=args.pp, optimizer=args.optimizer,
-                              precision=args.precision, offload=args.offload)
+        est = estimate_memory(
+            args.params,
+            args.world_size,
+            args.strategy,
+            dp=args.dp,
+            tp=args.tp,
+            pp=args.pp,
+            optimizer=args.optimizer,
+            precision=args.precision,
+            offload=args.offload,
+        )
     except (ValueError, TypeError) as err:
         raise UsageError(str(err)) from None
     return est.to_json()
@@ -222,18 +268,21 @@ def _human(out: dict) -> str:
         return "-" if v is None else format_bytes(v)
 
     cfg = out["config"]
-    lines = [f"{cfg['strategy']}/{cfg['backend']} {cfg['model']}: {len(out['losses'])} steps, "
-             f"final loss {out['losses'][-1]:.4f}, step {out['step_time_s'] * 1e3:.1f} ms, "
-             f"communication {out['comm_fraction']:.0%} of the step"
-             + ("" if out.get("bubble_fraction") is None
-                else f", bubble {out['bubble_fraction']:.0%}"),
-             f"{'rank':>4} {'params':>10} {'grads':>10} {'optimizer':>10} {'activations':>11} "
-             f"{'peak':>10} {'process':>10} {'sent/step':>10}"]
+    lines = [
+        f"{cfg['strategy']}/{cfg['backend']} {cfg['model']}: {len(out['losses'])} steps, "
+        f"final loss {out['losses'][-1]:.4f}, step {out['step_time_s'] * 1e3:.1f} ms, "
+        f"communication {out['comm_fraction']:.0%} of the step"
+        + ("" if out.get("bubble_fraction") is None else f", bubble {out['bubble_fraction']:.0%}"),
+        f"{'rank':>4} {'params':>10} {'grads':>10} {'optimizer':>10} {'activations':>11} "
+        f"{'peak':>10} {'process':>10} {'sent/step':>10}",
+    ]
     for r in out["ranks"]:
-        lines.append(f"{r['rank']:>4} {size(r['param_bytes']):>10} {size(r['grad_bytes']):>10} "
-                     f"{size(r['optim_bytes']):>10} {size(r.get('activation_bytes')):>11} "
-                     f"{size(r['peak_bytes']):>10} {size(r.get('process_peak_bytes')):>10} "
-                     f"{size(r.get('comm_bytes')):>10}")
+        lines.append(
+            f"{r['rank']:>4} {size(r['param_bytes']):>10} {size(r['grad_bytes']):>10} "
+            f"{size(r['optim_bytes']):>10} {size(r.get('activation_bytes')):>11} "
+            f"{size(r['peak_bytes']):>10} {size(r.get('process_peak_bytes')):>10} "
+            f"{size(r.get('comm_bytes')):>10}"
+        )
     return "\n".join(lines)
 
 
@@ -241,8 +290,12 @@ def main(argv=None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-        handler = {"train": cmd_train, "estimate": cmd_estimate, "bench": cmd_bench,
-                   "simulate": cmd_simulate}
+        handler = {
+            "train": cmd_train,
+            "estimate": cmd_estimate,
+            "bench": cmd_bench,
+            "simulate": cmd_simulate,
+        }
         out = handler[args.command](args)
     except UsageError as err:
         print(f"nbpar: error: {err}", file=sys.stderr)

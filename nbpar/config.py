@@ -5,6 +5,7 @@ is checked once, before any engine does work, so a bad combination fails with
 one sentence instead of a hang inside a collective. Degrees become a
 `ParallelDims` (torchtitan-style topology, in `nbpar.parallel.mesh`).
 """
+
 from __future__ import annotations
 
 import copy
@@ -182,8 +183,9 @@ class TrainConfig:
             # engines is dp=4 x tp=2 (torchtitan's FSDP + TP)
             tp = given["tp"] if s.startswith("zero") and self.backend == "torch" else None
             if tp is not None and (not isinstance(tp, int) or tp < 1 or world_size % tp):
-                raise ValueError(f"tp={tp!r} must be a positive divisor of the number of "
-                                 f"engines ({world_size})")
+                raise ValueError(
+                    f"tp={tp!r} must be a positive divisor of the number of engines ({world_size})"
+                )
             default = {"dp": world_size // (tp or 1), **({"tp": tp} if tp else {})}
         elif s == "pipeline":
             default = {"pp": world_size}
@@ -196,11 +198,14 @@ class TrainConfig:
         if s != "hybrid":
             for k, v in degrees.items():
                 if k not in default and v != 1:
-                    raise ValueError(f"strategy {s!r} does not split along {k} ({k}={v}); "
-                                     f"use strategy 'hybrid' to combine dimensions")
+                    raise ValueError(
+                        f"strategy {s!r} does not split along {k} ({k}={v}); "
+                        f"use strategy 'hybrid' to combine dimensions"
+                    )
         if s == "single" and world_size != 1:
-            raise ValueError(f"strategy 'single' runs on exactly one engine, got world size "
-                             f"{world_size}")
+            raise ValueError(
+                f"strategy 'single' runs on exactly one engine, got world size {world_size}"
+            )
         return ParallelDims(**degrees, world_size=world_size)
 
     def global_batch(self, world_size: int) -> int:
@@ -224,20 +229,30 @@ class TrainConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         _positive("lr", self.lr)
-        if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \
-                or self.checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every must be an integer >= 0, "
-                             f"got {self.checkpoint_every!r}")
+        if (
+            isinstance(self.checkpoint_every, bool)
+            or not isinstance(self.checkpoint_every, int)
+            or self.checkpoint_every < 0
+        ):
+            raise ValueError(
+                f"checkpoint_every must be an integer >= 0, got {self.checkpoint_every!r}"
+            )
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ValueError("checkpoint_every > 0 needs checkpoint_dir")
-        if isinstance(self.checkpoint_keep, bool) or not isinstance(self.checkpoint_keep, int) \
-                or self.checkpoint_keep < 1:
-            raise ValueError(f"checkpoint_keep must be a positive integer, "
-                             f"got {self.checkpoint_keep!r}")
+        if (
+            isinstance(self.checkpoint_keep, bool)
+            or not isinstance(self.checkpoint_keep, int)
+            or self.checkpoint_keep < 1
+        ):
+            raise ValueError(
+                f"checkpoint_keep must be a positive integer, got {self.checkpoint_keep!r}"
+            )
         self.gpt.validate()
         if self.model in ("tiny_gpt", "hf:gpt2", "hf:llama") and self.gpt.vocab_size < 256:
-            raise ValueError(f"gpt.vocab_size={self.gpt.vocab_size} is too small for byte-level "
-                             f"text; it must be >= 256")
+            raise ValueError(
+                f"gpt.vocab_size={self.gpt.vocab_size} is too small for byte-level "
+                f"text; it must be >= 256"
+            )
         self._validate_optimizer()
         self._validate_strategy()
         self._validate_degrees(world_size)
@@ -256,37 +271,51 @@ class TrainConfig:
             device.check_precision(self.precision)
         if self.resume_from is not None:  # missing/corrupt/other model: before engines work
             from nbpar.train.checkpoint_meta import check_resume
+
             check_resume(self, world_size)
         return self
 
     def _validate_strategy(self) -> None:
         s, b = self.strategy, self.backend
         if s not in PIPELINED and self.schedule != DEFAULT_SCHEDULE:
-            raise ValueError(f"schedule={self.schedule!r} applies only to strategies pipeline and "
-                             f"hybrid, not {s!r}")
+            raise ValueError(
+                f"schedule={self.schedule!r} applies only to strategies pipeline and "
+                f"hybrid, not {s!r}"
+            )
         if s in GPT_ONLY and self.model == "simple_cnn":
             # hf:* and models declaring a parallel plan are split too (checked when built)
-            raise ValueError(f"strategy {s!r} needs model 'tiny_gpt' (it splits transformer "
-                             f"layers), got {self.model!r}")
+            raise ValueError(
+                f"strategy {s!r} needs model 'tiny_gpt' (it splits transformer "
+                f"layers), got {self.model!r}"
+            )
         if s in PIPELINED and b == "deepspeed" and self.model != "tiny_gpt":
-            raise ValueError(f"a DeepSpeed pipeline runs model 'tiny_gpt' only; use "
-                             f"backend='torch' for {self.model!r}")
+            raise ValueError(
+                f"a DeepSpeed pipeline runs model 'tiny_gpt' only; use "
+                f"backend='torch' for {self.model!r}"
+            )
         if b == "deepspeed" and s not in DEEPSPEED_STRATEGIES:
-            raise ValueError(f"backend 'deepspeed' supports strategies "
-                             f"{', '.join(DEEPSPEED_STRATEGIES)}, not {s!r}")
+            raise ValueError(
+                f"backend 'deepspeed' supports strategies "
+                f"{', '.join(DEEPSPEED_STRATEGIES)}, not {s!r}"
+            )
         if self.offload != "none":
             if b != "deepspeed":
                 raise ValueError(f"offload={self.offload!r} needs backend='deepspeed'")
             need = ("zero3",) if self.offload == "params" else ("zero1", "zero2", "zero3")
             if s not in need:
-                raise ValueError(f"offload={self.offload!r} needs strategy {' or '.join(need)}, "
-                                 f"got {s!r}")
+                raise ValueError(
+                    f"offload={self.offload!r} needs strategy {' or '.join(need)}, got {s!r}"
+                )
         if self.precision == "fp16" and b != "deepspeed":
-            raise ValueError("precision='fp16' needs backend='deepspeed' (its loss scaler); "
-                             "use 'bf16' or 'fp32' with backend='torch'")
+            raise ValueError(
+                "precision='fp16' needs backend='deepspeed' (its loss scaler); "
+                "use 'bf16' or 'fp32' with backend='torch'"
+            )
         if self.fsdp_reshard is not None and not (b == "torch" and s in ("zero2", "zero3")):
-            raise ValueError(f"fsdp_reshard applies only to strategies zero2/zero3 with backend "
-                             f"'torch', not {s!r}/{b!r}")
+            raise ValueError(
+                f"fsdp_reshard applies only to strategies zero2/zero3 with backend "
+                f"'torch', not {s!r}/{b!r}"
+            )
         if self.deepspeed_config is not None and b != "deepspeed":
             raise ValueError("deepspeed_config needs backend='deepspeed'")
 
@@ -299,8 +328,9 @@ class TrainConfig:
         if self.strategy == "single":
             for k in ("dp", "tp", "pp"):
                 if getattr(self, k) not in (None, 1):
-                    raise ValueError(f"strategy 'single' requires dp=tp=pp=1, "
-                                     f"got {k}={getattr(self, k)}")
+                    raise ValueError(
+                        f"strategy 'single' requires dp=tp=pp=1, got {k}={getattr(self, k)}"
+                    )
         if world_size is not None:
             d = self.dims(world_size)
             tp, pp = d.tp, d.pp
@@ -309,24 +339,27 @@ class TrainConfig:
         from nbpar.train.registry import known_shape
 
         layers, where = known_shape(self)
-        if self.model == "tiny_gpt" and tp > 1 and (self.gpt.n_heads % tp or
-                                                    self.gpt.d_model % tp):
-            raise ValueError(f"tp={tp} must divide gpt.n_heads={self.gpt.n_heads} and "
-                             f"gpt.d_model={self.gpt.d_model}")
+        if self.model == "tiny_gpt" and tp > 1 and (self.gpt.n_heads % tp or self.gpt.d_model % tp):
+            raise ValueError(
+                f"tp={tp} must divide gpt.n_heads={self.gpt.n_heads} and "
+                f"gpt.d_model={self.gpt.d_model}"
+            )
         if tp > 1 and where:  # a transformers family: heads from its config
             from nbpar.train.hf import shape
 
             for k in ("heads", "kv_heads"):
                 n = shape(self.model, self.model_config)[k]
                 if n % tp:
-                    raise ValueError(f"tp={tp} must divide the {HEAD_WORDS[k]} of "
-                                     f"{self.model} ({n})")
+                    raise ValueError(
+                        f"tp={tp} must divide the {HEAD_WORDS[k]} of {self.model} ({n})"
+                    )
         if layers is not None and pp > layers:
-            raise ValueError(f"pp={pp} pipeline stages need at least {pp} layers, "
-                             f"{where or 'gpt.n_layers'}={layers}")
+            raise ValueError(
+                f"pp={pp} pipeline stages need at least {pp} layers, "
+                f"{where or 'gpt.n_layers'}={layers}"
+            )
         if self.strategy in PIPELINED and pp > 1 and layers is not None:
-            check_pipeline_schedule(self.schedule, pp, self.grad_accum, layers,
-                                    self.backend)
+            check_pipeline_schedule(self.schedule, pp, self.grad_accum, layers, self.backend)
 
     def _validate_optimizer(self) -> None:
         from nbpar.parallel.ds_config import OPTIMIZER_PARAMS
@@ -336,11 +369,16 @@ class TrainConfig:
             raise ValueError(f"optimizer_params must be a dict, got {params!r}")
         bad = sorted(set(params) - set(OPTIMIZER_PARAMS[self.optimizer]))
         if bad:
-            raise ValueError(f"optimizer_params {', '.join(bad)} do not apply to optimizer "
-                             f"{self.optimizer!r}; it takes "
-                             f"{', '.join(OPTIMIZER_PARAMS[self.optimizer])}")
-        if isinstance(self.grad_clip, bool) or not isinstance(self.grad_clip, (int, float)) \
-                or self.grad_clip < 0:
+            raise ValueError(
+                f"optimizer_params {', '.join(bad)} do not apply to optimizer "
+                f"{self.optimizer!r}; it takes "
+                f"{', '.join(OPTIMIZER_PARAMS[self.optimizer])}"
+            )
+        if (
+            isinstance(self.grad_clip, bool)
+            or not isinstance(self.grad_clip, (int, float))
+            or self.grad_clip < 0
+        ):
             raise ValueError(f"grad_clip must be a number >= 0, got {self.grad_clip!r}")
         if self.lr_schedule is not None:
             from nbpar.train.lr_schedule import resolve
@@ -349,13 +387,17 @@ class TrainConfig:
 
     def _validate_ds_config(self) -> None:
         if not isinstance(self.deepspeed_config, dict):
-            raise ValueError(f"deepspeed_config must be a dict or a JSON file path, "
-                             f"got {self.deepspeed_config!r}")
+            raise ValueError(
+                f"deepspeed_config must be a dict or a JSON file path, "
+                f"got {self.deepspeed_config!r}"
+            )
         zero = self.deepspeed_config.get("zero_optimization") or {}
         stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
         if self.strategy in PIPELINED and stage in (2, 3):
-            raise ValueError(f"DeepSpeed's PipelineModule supports ZeRO stage 0/1 only, "
-                             f"deepspeed_config asks for stage {stage}")
+            raise ValueError(
+                f"DeepSpeed's PipelineModule supports ZeRO stage 0/1 only, "
+                f"deepspeed_config asks for stage {stage}"
+            )
 
     def _fit_train_batch_size(self, world_size: int) -> None:
         """A config that gives ``train_batch_size`` without the micro-batch (or the
@@ -365,14 +407,18 @@ class TrainConfig:
         if not isinstance(total, int) or isinstance(total, bool):
             return
         dp = self.dims(world_size).dp
-        for name, key, other in (("micro_batch", "train_micro_batch_size_per_gpu", "grad_accum"),
-                                 ("grad_accum", "gradient_accumulation_steps", "micro_batch")):
+        for name, key, other in (
+            ("micro_batch", "train_micro_batch_size_per_gpu", "grad_accum"),
+            ("grad_accum", "gradient_accumulation_steps", "micro_batch"),
+        ):
             if name in self._explicit or isinstance(d.get(key), int):
                 continue
             per = getattr(self, other) * dp
             if total % per:
-                raise ValueError(f"deepspeed_config's train_batch_size={total} is not a "
-                                 f"multiple of {other}={getattr(self, other)} x dp={dp}")
+                raise ValueError(
+                    f"deepspeed_config's train_batch_size={total} is not a "
+                    f"multiple of {other}={getattr(self, other)} x dp={dp}"
+                )
             setattr(self, name, total // per)
             return
 

@@ -4,6 +4,7 @@ Everything else asks this module which device an engine uses and which
 torch.distributed backend fits it, so the same notebook runs on a laptop CPU
 (gloo, N engine processes) and on GPUs (one engine per GPU, nccl).
 """
+
 from __future__ import annotations
 
 import glob
@@ -22,8 +23,11 @@ def accelerator_count() -> int:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1"):
         return 0
-    if sys.platform.startswith("linux") and not os.path.isdir("/proc/driver/nvidia") \
-            and not glob.glob("/dev/nvidia[0-9]*"):
+    if (
+        sys.platform.startswith("linux")
+        and not os.path.isdir("/proc/driver/nvidia")
+        and not glob.glob("/dev/nvidia[0-9]*")
+    ):
         return 0  # Linux without an NVIDIA driver or device
     import torch
 
@@ -54,9 +58,7 @@ def bind(local_rank: int, backend: str) -> str:
         return "cpu"
     n = torch.cuda.device_count()
     if local_rank >= n:
-        raise RuntimeError(
-            f"engine with local rank {local_rank} has no GPU: this host has {n}"
-        )
+        raise RuntimeError(f"engine with local rank {local_rank} has no GPU: this host has {n}")
     torch.cuda.set_device(local_rank)
     return f"cuda:{local_rank}"
 
@@ -172,11 +174,15 @@ def check_precision(precision: str, backend: str | None = None) -> None:
     if half_precision_support(backend)[precision]:
         return
     if backend == "nccl":
-        raise ValueError(f"precision {precision!r} is not supported by this GPU "
-                         f"({gpu_name()}): use 'fp16' or 'fp32'")
+        raise ValueError(
+            f"precision {precision!r} is not supported by this GPU "
+            f"({gpu_name()}): use 'fp16' or 'fp32'"
+        )
     other = "bf16" if precision == "fp16" else "fp32"
-    raise ValueError(f"precision {precision!r} on this CPU ({cpu_model()}) needs AVX512-FP16 "
-                     f"or AMX-FP16, which it lacks: use precision {other!r}")
+    raise ValueError(
+        f"precision {precision!r} on this CPU ({cpu_model()}) needs AVX512-FP16 "
+        f"or AMX-FP16, which it lacks: use precision {other!r}"
+    )
 
 
 def deepspeed_env() -> None:
@@ -187,8 +193,15 @@ def deepspeed_env() -> None:
 
 #: Dense (no sparsity) bf16 peak TFLOP/s from the vendors' datasheets, matched
 #: against the device name in this order (most specific first).
-PEAK_BF16_TFLOPS = (("H200", 989.0), ("H100 PCIe", 756.0), ("H100 NVL", 835.0),
-                    ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0), ("A10G", 70.0))
+PEAK_BF16_TFLOPS = (
+    ("H200", 989.0),
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("A10G", 70.0),
+)
 
 
 def peak_flops_hint(name: str | None = None) -> float | None:

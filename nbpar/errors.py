@@ -1,4 +1,5 @@
 """Errors nbpar raises to the notebook: one clear sentence each."""
+
 from __future__ import annotations
 
 

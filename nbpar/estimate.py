@@ -7,6 +7,7 @@ stage 2 also the gradients, stage 3 also the parameters. Activations follow Kort
 2022 (Megatron-LM, "Reducing Activation Recomputation in Large Transformer Models"), eqs. 1-5.
 Pure Python: no torch at import, matplotlib only inside `MemoryEstimate.plot`.
 """
+
 from __future__ import annotations
 
 import html
@@ -31,9 +32,9 @@ def format_bytes(n: float) -> str:
             return f"{n / scale:.1f} {unit}"
     return f"{n:.0f} B"
 
+
 _ZERO_STAGE = {"zero1": 1, "zero2": 2, "zero3": 3}
-_OWN_DIM = {"ddp": "dp", "zero1": "dp", "zero2": "dp", "zero3": "dp", "pipeline": "pp",
-            "tp": "tp"}
+_OWN_DIM = {"ddp": "dp", "zero1": "dp", "zero2": "dp", "zero3": "dp", "pipeline": "pp", "tp": "tp"}
 _MEASURED = {"params": "param_bytes", "grads": "grad_bytes", "optim": "optim_bytes"}
 
 
@@ -60,30 +61,44 @@ def bytes_per_param(optimizer: str = "adam", precision: str = "fp32") -> tuple[i
 def resolve_degrees(strategy: str, world_size: int, dp=None, tp=None, pp=None):
     """(dp, tp, pp) as the CLI fills them: the strategy's own degree takes what the others leave."""
     world_size = _int("world_size", world_size)
-    given = {k: (None if v is None else _int(k, v)) for k, v in (("dp", dp), ("tp", tp),
-                                                                  ("pp", pp))}
+    given = {
+        k: (None if v is None else _int(k, v)) for k, v in (("dp", dp), ("tp", tp), ("pp", pp))
+    }
     if strategy == "single":
         if world_size != 1 or any(v not in (None, 1) for v in given.values()):
-            raise ValueError(f"Strategy 'single' runs on one rank: world_size and dp/tp/pp must "
-                             f"be 1, got world_size={world_size}, {given}.")
+            raise ValueError(
+                f"Strategy 'single' runs on one rank: world_size and dp/tp/pp must "
+                f"be 1, got world_size={world_size}, {given}."
+            )
         return 1, 1, 1
     require_hybrid_degrees(strategy, **given)
     own = _OWN_DIM.get(strategy)
     if own is not None and given[own] is None:
         others = math.prod(v or 1 for k, v in given.items() if k != own)
         if world_size % others:
-            raise ValueError(f"world_size={world_size} is not divisible by the given degrees "
-                             f"(product {others}) for strategy {strategy!r}.")
+            raise ValueError(
+                f"world_size={world_size} is not divisible by the given degrees "
+                f"(product {others}) for strategy {strategy!r}."
+            )
         given[own] = world_size // others
     dp, tp, pp = (given[k] or 1 for k in ("dp", "tp", "pp"))
     if dp * tp * pp != world_size:
-        raise ValueError(f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} must equal "
-                         f"world_size={world_size}.")
+        raise ValueError(
+            f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} must equal world_size={world_size}."
+        )
     return dp, tp, pp
 
 
-def activation_bytes_per_layer(batch: int, seq_len: int, hidden: int, heads: int, *, tp: int = 1,
-                               element_bytes: int = 2, sequence_parallel: bool = True) -> float:
+def activation_bytes_per_layer(
+    batch: int,
+    seq_len: int,
+    hidden: int,
+    heads: int,
+    *,
+    tp: int = 1,
+    element_bytes: int = 2,
+    sequence_parallel: bool = True,
+) -> float:
     """Bytes one transformer layer keeps for backward, no recomputation (Korthikanti 2022).
 
     16-bit activations give eq. 1, s*b*h*(34 + 5*a*s/h): tensors of e bytes plus 1-byte
@@ -93,8 +108,8 @@ def activation_bytes_per_layer(batch: int, seq_len: int, hidden: int, heads: int
     An approximation: embeddings, the output head and the loss are left out.
     """
     s, b, h, a = seq_len, batch, hidden, heads
-    replicated = 4 * element_bytes + 2     # 2 layer-norm in, QKV in, MLP in (e), 2 masks (1)
-    sharded = 12 * element_bytes           # Q, K, V, proj in (e sbh each), GeLU in/out (4e sbh)
+    replicated = 4 * element_bytes + 2  # 2 layer-norm in, QKV in, MLP in (e), 2 masks (1)
+    sharded = 12 * element_bytes  # Q, K, V, proj in (e sbh each), GeLU in/out (4e sbh)
     scores = (2 * element_bytes + 1) * a * s / h  # softmax out, dropout out (e), mask (1)
     if sequence_parallel:
         return s * b * h * (replicated + sharded + scores) / tp
@@ -107,16 +122,24 @@ def _activations(spec, tp: int, pp: int, element_bytes: int) -> float:
     extra = set(spec) - set(ACTIVATION_KEYS) - {"sequence_parallel", "in_flight", "recompute"}
     missing = [k for k in ACTIVATION_KEYS if k not in spec]
     if extra or missing:
-        raise ValueError(f"activations needs keys {ACTIVATION_KEYS} (optional sequence_parallel, "
-                         f"in_flight, recompute); missing {missing}, unknown {sorted(extra)}.")
+        raise ValueError(
+            f"activations needs keys {ACTIVATION_KEYS} (optional sequence_parallel, "
+            f"in_flight, recompute); missing {missing}, unknown {sorted(extra)}."
+        )
     v = {k: _int(f"activations[{k!r}]", spec[k]) for k in ACTIVATION_KEYS}
     in_flight = _int("activations['in_flight']", spec.get("in_flight", 1))
     if v["layers"] < pp:
         raise ValueError(f"activations['layers']={v['layers']} must be >= pp={pp}.")
     sp = bool(spec.get("sequence_parallel", True))
     per_layer = activation_bytes_per_layer(
-        v["batch"], v["seq_len"], v["hidden"], v["heads"], tp=tp, element_bytes=element_bytes,
-        sequence_parallel=sp)
+        v["batch"],
+        v["seq_len"],
+        v["hidden"],
+        v["heads"],
+        tp=tp,
+        element_bytes=element_bytes,
+        sequence_parallel=sp,
+    )
     layers = math.ceil(v["layers"] / pp) * in_flight
     if spec.get("recompute"):
         # full recomputation (Chen et al. 2016; Korthikanti et al. 2022, sec. 5): each
@@ -137,11 +160,21 @@ def count_parameters(model) -> int:
     return total
 
 
-def estimate_memory(params: float, world_size: int = 1, strategy: str = "ddp", *,
-                    dp: int | None = None, tp: int | None = None, pp: int | None = None,
-                    optimizer: str = "adam", precision: str = "fp32", offload: str = "none",
-                    activations: dict | None = None,
-                    backend: str | None = None, tp_replicated: float = 0) -> MemoryEstimate:
+def estimate_memory(
+    params: float,
+    world_size: int = 1,
+    strategy: str = "ddp",
+    *,
+    dp: int | None = None,
+    tp: int | None = None,
+    pp: int | None = None,
+    optimizer: str = "adam",
+    precision: str = "fp32",
+    offload: str = "none",
+    activations: dict | None = None,
+    backend: str | None = None,
+    tp_replicated: float = 0,
+) -> MemoryEstimate:
     """Bytes each rank holds for parameters, gradients, optimizer states (and activations).
 
     ``params`` is a count or a model (an ``nn.Module``, e.g. ``build_model(cfg)``: its
@@ -164,18 +197,24 @@ def estimate_memory(params: float, world_size: int = 1, strategy: str = "ddp", *
     the paper's Psi / tp assumes 0.
     """
     params = count_parameters(params) if hasattr(params, "parameters") else params
-    if isinstance(params, bool) or not isinstance(params, Real) or not math.isfinite(params) \
-            or params <= 0:
-        raise ValueError(f"params must be a positive finite number or a model (nn.Module), "
-                         f"got {params!r}.")
+    if (
+        isinstance(params, bool)
+        or not isinstance(params, Real)
+        or not math.isfinite(params)
+        or params <= 0
+    ):
+        raise ValueError(
+            f"params must be a positive finite number or a model (nn.Module), got {params!r}."
+        )
     _choice("strategy", strategy, STRATEGIES)
     _choice("offload", offload, OFFLOADS)
     p_b, g_b, o_b = bytes_per_param(optimizer, precision)
     dp, tp, pp = resolve_degrees(strategy, world_size, dp, tp, pp)
     stage = _ZERO_STAGE.get(strategy, 0)
     if offload == "params" and stage != 3:
-        raise ValueError(f"offload='params' needs ZeRO stage 3 (strategy 'zero3'), got "
-                         f"strategy {strategy!r}.")
+        raise ValueError(
+            f"offload='params' needs ZeRO stage 3 (strategy 'zero3'), got strategy {strategy!r}."
+        )
     if backend not in (None, "torch", "deepspeed"):
         raise ValueError(f"backend must be None, 'torch' or 'deepspeed', got {backend!r}.")
     shard = {"params": stage >= 3, "grads": stage >= 2, "optim": stage >= 1}
@@ -185,16 +224,22 @@ def estimate_memory(params: float, world_size: int = 1, strategy: str = "ddp", *
         shard["grads"] = True
         if p_b == 4:  # fp32 training: the master copy is an extra fp32 partition
             o_b += 4
-    if isinstance(tp_replicated, bool) or not isinstance(tp_replicated, Real) \
-            or not 0 <= tp_replicated <= params:
-        raise ValueError(f"tp_replicated must be a number of parameters in [0, params], "
-                         f"got {tp_replicated!r}.")
+    if (
+        isinstance(tp_replicated, bool)
+        or not isinstance(tp_replicated, Real)
+        or not 0 <= tp_replicated <= params
+    ):
+        raise ValueError(
+            f"tp_replicated must be a number of parameters in [0, params], got {tp_replicated!r}."
+        )
     # Megatron splits the blocks' weight matrices over tp; what it does not split
     # (embeddings, norms, the output head, row-parallel biases) every tp rank holds whole
     psi = ((params - tp_replicated) / tp + tp_replicated) / pp
-    nbytes = {"params": p_b * psi / (dp if shard["params"] else 1),
-              "grads": g_b * psi / (dp if shard["grads"] else 1),
-              "optim": o_b * psi / (dp if shard["optim"] else 1)}
+    nbytes = {
+        "params": p_b * psi / (dp if shard["params"] else 1),
+        "grads": g_b * psi / (dp if shard["grads"] else 1),
+        "optim": o_b * psi / (dp if shard["optim"] else 1),
+    }
     moved = {"none": (), "optimizer": ("optim",), "params": ("optim", "params")}[offload]
     host = sum(nbytes[key] for key in moved)
     nbytes.update({key: 0.0 for key in moved})
@@ -203,14 +248,25 @@ def estimate_memory(params: float, world_size: int = 1, strategy: str = "ddp", *
     nbytes["total"] = sum(nbytes.values())
     if offload != "none":
         nbytes["host"] = host
-    return MemoryEstimate(per_rank_bytes=nbytes, params=params, world_size=dp * tp * pp,
-                          strategy=strategy, dp=dp, tp=tp, pp=pp, zero_stage=stage,
-                          optimizer=optimizer, precision=precision, offload=offload,
-                          activations=None if activations is None else dict(activations))
+    return MemoryEstimate(
+        per_rank_bytes=nbytes,
+        params=params,
+        world_size=dp * tp * pp,
+        strategy=strategy,
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        zero_stage=stage,
+        optimizer=optimizer,
+        precision=precision,
+        offload=offload,
+        activations=None if activations is None else dict(activations),
+    )
 
 
-def zero_table(params: float, dp: int, optimizer: str = "adam",
-               precision: str = "mixed") -> list[dict]:
+def zero_table(
+    params: float, dp: int, optimizer: str = "adam", precision: str = "mixed"
+) -> list[dict]:
     """The ZeRO paper's Fig. 1 rows: per-device GB for baseline, P_os, P_os+g, P_os+g+p."""
     rows = []
     for name, strategy in zip(ZERO_NAMES, ("ddp", "zero1", "zero2", "zero3")):
@@ -241,39 +297,60 @@ class MemoryEstimate:
     def to_json(self) -> dict:
         """A JSON-ready dict: {"per_rank_bytes": {...}, "strategy": ..., ...}."""
         out = {"per_rank_bytes": dict(self.per_rank_bytes)}
-        for key in ("params", "world_size", "strategy", "dp", "tp", "pp", "zero_stage",
-                    "optimizer", "precision", "offload", "activations"):
+        for key in (
+            "params",
+            "world_size",
+            "strategy",
+            "dp",
+            "tp",
+            "pp",
+            "zero_stage",
+            "optimizer",
+            "precision",
+            "offload",
+            "activations",
+        ):
             value = getattr(self, key)
             out[key] = dict(value) if isinstance(value, dict) else value
         return out
 
     def _title(self) -> str:
-        return (f"{self.params / 1e9:g}B params, {self.strategy} (ZeRO stage {self.zero_stage}), "
-                f"dp={self.dp} tp={self.tp} pp={self.pp}, {self.optimizer}, {self.precision}"
-                + (f", offload={self.offload}" if self.offload != "none" else ""))
+        return (
+            f"{self.params / 1e9:g}B params, {self.strategy} (ZeRO stage {self.zero_stage}), "
+            f"dp={self.dp} tp={self.tp} pp={self.pp}, {self.optimizer}, {self.precision}"
+            + (f", offload={self.offload}" if self.offload != "none" else "")
+        )
 
     def table(self) -> str:
         """Human table of GB per rank, one line per key, e.g. 'params 52.0 GB'."""
         width = max(len(k) for k in self.per_rank_bytes)
-        lines = [f"{k:<{width}} {v / GB:.1f} GB" + (" (host, not in total)" if k == "host"
-                                                     else "")
-                 for k, v in self.per_rank_bytes.items()]
+        lines = [
+            f"{k:<{width}} {v / GB:.1f} GB" + (" (host, not in total)" if k == "host" else "")
+            for k, v in self.per_rank_bytes.items()
+        ]
         return "\n".join([f"Per-rank memory: {self._title()}", *lines])
 
     def _repr_html_(self) -> str:
-        rows = "".join(f"<tr><td>{html.escape(k)}</td><td style='text-align:right'>"
-                       f"{v / GB:.2f} GB</td><td style='text-align:right'>{v:,.0f}</td></tr>"
-                       for k, v in self.per_rank_bytes.items())
-        return (f"<table><caption>Per-rank memory: {html.escape(self._title())}</caption>"
-                f"<tr><th>part</th><th>GB</th><th>bytes</th></tr>{rows}</table>")
+        rows = "".join(
+            f"<tr><td>{html.escape(k)}</td><td style='text-align:right'>"
+            f"{v / GB:.2f} GB</td><td style='text-align:right'>{v:,.0f}</td></tr>"
+            for k, v in self.per_rank_bytes.items()
+        )
+        return (
+            f"<table><caption>Per-rank memory: {html.escape(self._title())}</caption>"
+            f"<tr><th>part</th><th>GB</th><th>bytes</th></tr>{rows}</table>"
+        )
 
     def __repr__(self) -> str:
-        return (f"MemoryEstimate(strategy={self.strategy!r}, dp={self.dp}, tp={self.tp}, "
-                f"pp={self.pp}, total={self.per_rank_bytes['total'] / GB:.2f} GB/rank)")
+        return (
+            f"MemoryEstimate(strategy={self.strategy!r}, dp={self.dp}, tp={self.tp}, "
+            f"pp={self.pp}, total={self.per_rank_bytes['total'] / GB:.2f} GB/rank)"
+        )
 
     def plot(self, ax=None):
         """Stacked bar (GB) of params/grads/optim/activations per rank; returns the Figure."""
         from nbpar.view.memory_plot import plot_estimate
+
         return plot_estimate(self, ax)
 
     def compare(self, measured: dict) -> dict:
@@ -284,8 +361,10 @@ class MemoryEstimate:
         estimate is 0).
         """
         if not isinstance(measured, dict) or not any(m in measured for m in _MEASURED.values()):
-            raise ValueError(f"measured must be a dict with any of {tuple(_MEASURED.values())}, "
-                             f"got {measured!r}.")
+            raise ValueError(
+                f"measured must be a dict with any of {tuple(_MEASURED.values())}, "
+                f"got {measured!r}."
+            )
         out = {}
         for key, mkey in _MEASURED.items():
             if mkey not in measured:
@@ -299,10 +378,19 @@ class MemoryEstimate:
         return out
 
 
-def comm_bytes_per_step(strategy: str, *, param_bytes: float, dp: int = 1, tp: int = 1,
-                        pp: int = 1, backend: str = "torch", grad_accum: int = 1,
-                        activation_bytes: float = 0.0, layers: int = 0,
-                        pp_stage: int = 0) -> float:
+def comm_bytes_per_step(
+    strategy: str,
+    *,
+    param_bytes: float,
+    dp: int = 1,
+    tp: int = 1,
+    pp: int = 1,
+    backend: str = "torch",
+    grad_accum: int = 1,
+    activation_bytes: float = 0.0,
+    layers: int = 0,
+    pp_stage: int = 0,
+) -> float:
     """Bytes one rank sends in one optimizer step, by the ring accounting of the ZeRO
     paper (all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n of the whole).
 
@@ -336,14 +424,21 @@ def comm_bytes_per_step(strategy: str, *, param_bytes: float, dp: int = 1, tp: i
     if strategy == "ddp":
         return 2 * ring
     if strategy in _ZERO_STAGE:
-        times = {("zero1", "torch"): 3, ("zero2", "torch"): k + 1, ("zero3", "torch"): 2 * k + 1,
-                 ("zero1", "deepspeed"): 3, ("zero2", "deepspeed"): 2 * k + 1,
-                 ("zero3", "deepspeed"): 2 * k}[(strategy, backend)]
+        times = {
+            ("zero1", "torch"): 3,
+            ("zero2", "torch"): k + 1,
+            ("zero3", "torch"): 2 * k + 1,
+            ("zero1", "deepspeed"): 3,
+            ("zero2", "deepspeed"): 2 * k + 1,
+            ("zero3", "deepspeed"): 2 * k,
+        }[(strategy, backend)]
         return times * ring
     if strategy == "tp":
         return k * layers * 6 * 2 * (tp - 1) / tp * activation_bytes
     if strategy == "pipeline":
         middle = 0 < pp_stage < pp - 1
         return k * activation_bytes * (2 if middle else 1) if pp > 1 else 0.0
-    raise ValueError(f"no communication model for strategy {strategy!r}; compose hybrid "
-                     f"layouts from their dimensions")
+    raise ValueError(
+        f"no communication model for strategy {strategy!r}; compose hybrid "
+        f"layouts from their dimensions"
+    )

@@ -1,4 +1,5 @@
 """Test session set-up: IPython and temp dirs inside the run, no leftover processes."""
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,11 @@ def no_process_left_behind():
     """Every engine and controller a test starts must be gone when the tests end."""
     yield
     me = psutil.Process()
-    left = [p for p in me.children(recursive=True)
-            if any(s in _cmdline(p) for s in ("ipyparallel", "nbpar.pool.engine"))]
+    left = [
+        p
+        for p in me.children(recursive=True)
+        if any(s in _cmdline(p) for s in ("ipyparallel", "nbpar.pool.engine"))
+    ]
     for p in left:
         p.kill()
     assert not left, f"processes left running: {[p.cmdline() for p in left]}"
@@ -57,7 +61,8 @@ def half_precision(monkeypatch):
     from nbpar import device
 
     def fake(fp16: bool, bf16: bool = True):
-        monkeypatch.setattr(device, "half_precision_support",
-                            lambda backend: {"bf16": bf16, "fp16": fp16})
+        monkeypatch.setattr(
+            device, "half_precision_support", lambda backend: {"bf16": bf16, "fp16": fp16}
+        )
 
     return fake

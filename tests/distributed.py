@@ -4,6 +4,7 @@ Used by the tests of the parallel layers, which need real processes but not a
 whole engine pool. ``fn`` must be importable (module level), since workers are
 spawned, and its return value picklable.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -21,8 +22,12 @@ def free_port() -> int:
 
 def _worker(fn, rank, world, port, args, queue):
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-        WORLD_SIZE=str(world), LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        DS_ACCELERATOR="cpu",
         OMP_NUM_THREADS="1",
     )
     import torch
@@ -30,8 +35,7 @@ def _worker(fn, rank, world, port, args, queue):
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=60))
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
         out = fn(rank, world, *args)
         queue.put((rank, True, out))
     except BaseException:  # report every failure to the parent
@@ -46,8 +50,10 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results, errors = {}, {}

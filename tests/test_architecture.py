@@ -1,6 +1,7 @@
 """The package's shape: no import cycles among nbpar modules (imports inside functions
 count too; imports under ``if TYPE_CHECKING:``, for annotations only, do not), so the
 data path cell -> pool -> engine -> loop -> strategy -> measurement -> view reads one way."""
+
 from __future__ import annotations
 
 import ast
@@ -19,9 +20,12 @@ def import_graph(package: pathlib.Path) -> dict[str, set[str]]:
     for mod, f in files.items():
         pkg = mod if f.name == "__init__.py" else mod.rpartition(".")[0]
         tree = ast.parse(f.read_text())
-        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                       and ast.unparse(node.test).endswith("TYPE_CHECKING")
-                       for n in ast.walk(node)}
+        typing_only = {
+            id(n)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
+            for n in ast.walk(node)
+        }
         for node in ast.walk(tree):
             if id(node) in typing_only:
                 continue
@@ -53,7 +57,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str]:
         stack.append(u)
         for v in sorted(graph[u]):
             if state.get(v) == 1:
-                return stack[stack.index(v):] + [v]
+                return stack[stack.index(v) :] + [v]
             if v not in state and (found := visit(v)):
                 return found
         stack.pop()
@@ -80,8 +84,11 @@ def test_engine_side_never_imports_the_kernel_side():
     """train/ and parallel/ run inside the engines: they may not reach the pool (which
     drives engines from the kernel) or the view (which draws in the kernel)."""
     graph = import_graph(ROOT / "nbpar")
-    wrong = {m: sorted(t for t in targets if t.startswith(("nbpar.pool", "nbpar.view")))
-             for m, targets in graph.items() if m.startswith(("nbpar.train", "nbpar.parallel"))}
+    wrong = {
+        m: sorted(t for t in targets if t.startswith(("nbpar.pool", "nbpar.view")))
+        for m, targets in graph.items()
+        if m.startswith(("nbpar.train", "nbpar.parallel"))
+    }
     assert not {m: t for m, t in wrong.items() if t}
 
 
@@ -91,12 +98,13 @@ def test_old_module_paths_still_import():
     import subprocess
     import sys
 
-    code = ("import importlib, nbpar\n"
-            "for old, new in nbpar.MOVED.items():\n"
-            "    assert importlib.import_module('nbpar.' + old) is "
-            "importlib.import_module('nbpar.' + new), old\n"
-            "print(len(nbpar.MOVED))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=ROOT)
+    code = (
+        "import importlib, nbpar\n"
+        "for old, new in nbpar.MOVED.items():\n"
+        "    assert importlib.import_module('nbpar.' + old) is "
+        "importlib.import_module('nbpar.' + new), old\n"
+        "print(len(nbpar.MOVED))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) >= 20

@@ -1,4 +1,5 @@
 """The bad-input table: each bad input gets one clear error before any engine works."""
+
 from __future__ import annotations
 
 import json
@@ -49,19 +50,44 @@ CONFIG_CASES = [
     (dict(strategy="zero4"), "strategy"),
     (dict(backend="jax"), "backend"),
     (dict(precision="fp8"), "precision"),
-    (dict(strategy="pipeline", backend="deepspeed", deepspeed_config={
-        "zero_optimization": {"stage": 3}}), "stage 0/1"),
+    (
+        dict(
+            strategy="pipeline",
+            backend="deepspeed",
+            deepspeed_config={"zero_optimization": {"stage": 3}},
+        ),
+        "stage 0/1",
+    ),
     (dict(strategy="hybrid", dp=2, tp=2), r"dp\*tp\*pp"),
     (dict(strategy="pipeline", gpt=GPTConfig(n_layers=1)), "need at least 2 layers"),
     (dict(strategy="pipeline", schedule="1f1b", grad_accum=1), "at least as many micro-batches"),
-    (dict(strategy="pipeline", schedule="interleaved", grad_accum=4,
-          gpt=GPTConfig(n_layers=3)), "needs 4 layers"),
-    (dict(backend="deepspeed", strategy="zero3", micro_batch=8, deepspeed_config={
-        "train_micro_batch_size_per_gpu": 16}), "train_micro_batch_size_per_gpu=16.*8"),
-    (dict(backend="deepspeed", strategy="zero3", deepspeed_config={"zero_optimisation": {}}),
-     "did you mean 'zero_optimization'"),
-    (dict(backend="deepspeed", strategy="zero3", deepspeed_config={
-        "zero_optimization": {"stage": 3, "offload_param": {"device": "floppy"}}}), "floppy"),
+    (
+        dict(strategy="pipeline", schedule="interleaved", grad_accum=4, gpt=GPTConfig(n_layers=3)),
+        "needs 4 layers",
+    ),
+    (
+        dict(
+            backend="deepspeed",
+            strategy="zero3",
+            micro_batch=8,
+            deepspeed_config={"train_micro_batch_size_per_gpu": 16},
+        ),
+        "train_micro_batch_size_per_gpu=16.*8",
+    ),
+    (
+        dict(backend="deepspeed", strategy="zero3", deepspeed_config={"zero_optimisation": {}}),
+        "did you mean 'zero_optimization'",
+    ),
+    (
+        dict(
+            backend="deepspeed",
+            strategy="zero3",
+            deepspeed_config={
+                "zero_optimization": {"stage": 3, "offload_param": {"device": "floppy"}}
+            },
+        ),
+        "floppy",
+    ),
 ]
 
 
@@ -75,25 +101,38 @@ def test_deepspeed_config_file_with_bad_json_names_the_file(tmp_path):
     path = tmp_path / "ds_config.json"
     path.write_text('{"train_micro_batch_size_per_gpu": 8,\n  "zero_optimization": {stage: 3}}')
     with pytest.raises(ValueError, match="ds_config.json"):
-        TrainConfig(backend="deepspeed", strategy="zero3",
-                    deepspeed_config=str(path)).validate(2)
+        TrainConfig(backend="deepspeed", strategy="zero3", deepspeed_config=str(path)).validate(2)
 
 
 @pytest.mark.parametrize("has_fp16", [True, False])
 def test_classic_ds_config_is_accepted_as_written(tmp_path, half_precision, has_fp16):
     half_precision(fp16=has_fp16)
     path = tmp_path / "ds_config.json"
-    path.write_text(json.dumps({
-        "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "fp16": {"enabled": True},
-        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}))
-    cfg = TrainConfig(backend="deepspeed", strategy="zero3", precision="fp16",
-                      offload="optimizer", micro_batch=8, deepspeed_config=str(path))
+    path.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": 8,
+                "gradient_accumulation_steps": 1,
+                "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+                "fp16": {"enabled": True},
+                "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+            }
+        )
+    )
+    cfg = TrainConfig(
+        backend="deepspeed",
+        strategy="zero3",
+        precision="fp16",
+        offload="optimizer",
+        micro_batch=8,
+        deepspeed_config=str(path),
+    )
     if has_fp16:
         cfg.validate(2)
     else:  # a hardware limit: refused in one line that names the way out
-        with pytest.raises(ValueError, match="fp16.*needs AVX512-FP16 or AMX-FP16.*use "
-                                             "precision 'bf16'"):
+        with pytest.raises(
+            ValueError, match="fp16.*needs AVX512-FP16 or AMX-FP16.*use precision 'bf16'"
+        ):
             cfg.validate(2)
 
 

@@ -4,6 +4,7 @@ Every results file carries its date, CPU, cores, torch version, load, repeats an
 per figure, a median with its spread; `benchmarks/report.py` writes the tables
 between the README's bench markers, and these tests fail when the two disagree.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -115,13 +116,16 @@ def test_a_results_file_without_a_required_field_fails(copied, field):
     assert readme.read_text() == before, "a broken results file must not be written out"
 
 
-@pytest.mark.parametrize("change, words", [
-    (lambda f: f.update(median=f["max"] * 2), "median/min/max"),
-    (lambda f: f.update(max=f["max"] + 1), "min/max/n"),
-    (lambda f: f.update(n=f["n"] + 1), "min/max/n"),
-    (lambda f: f.pop("values"), "lacks"),
-    (lambda f: f.update(meets=not f["meets"]), "'meets'"),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (lambda f: f.update(median=f["max"] * 2), "median/min/max"),
+        (lambda f: f.update(max=f["max"] + 1), "min/max/n"),
+        (lambda f: f.update(n=f["n"] + 1), "min/max/n"),
+        (lambda f: f.pop("values"), "lacks"),
+        (lambda f: f.update(meets=not f["meets"]), "'meets'"),
+    ],
+)
 def test_a_figure_that_disagrees_with_its_values_fails(copied, change, words):
     _, root = copied
     data = results.read_all(root)["ddp_vs_torchrun"]
@@ -151,8 +155,12 @@ def test_targets_are_judged_on_the_median():
 
 def test_generated_rows_have_six_cells():
     text = (ROOT / "README.md").read_text()
-    rows = [line for line in text.splitlines() if line.startswith("| `")
-            and any(line.startswith(f"| `{n}.py`") for n in results.read_all())]
+    rows = [
+        line
+        for line in text.splitlines()
+        if line.startswith("| `")
+        and any(line.startswith(f"| `{n}.py`") for n in results.read_all())
+    ]
     assert rows
     for line in rows:
         assert line.replace("\\|", "").count("|") == 7, line

@@ -1,6 +1,7 @@
 """Chaos, short: SIGKILL a random engine at a random step three times during a
 checkpointed pool.train on a Pool(restart="auto"); the stitched loss curve equals an
 uninterrupted run's."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,12 +24,12 @@ def test_three_kills_resume_from_the_last_checkpoint_with_the_same_losses(tmp_pa
     for kill in out["kills"]:
         assert kill["resumed_from"] % 3 == 0 and kill["resumed_from"] <= kill["step"]
         assert kill["recovery_s"] < 60 and kill["lost_s"] >= kill["recovery_s"] - 1
-    torch.testing.assert_close(torch.tensor(out["losses"]), torch.tensor(reference),
-                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(out["losses"]), torch.tensor(reference), atol=1e-6, rtol=0
+    )
 
 
 def test_chaos_needs_auto_restart_and_checkpoints(pool, tmp_path):
-    cfg = TrainConfig(model="tiny_gpt", steps=4, checkpoint_dir=str(tmp_path),
-                      checkpoint_every=2)
+    cfg = TrainConfig(model="tiny_gpt", steps=4, checkpoint_dir=str(tmp_path), checkpoint_every=2)
     with pytest.raises(ValueError, match="restart='auto'"):
         chaos_train(pool, cfg, kills=1)

@@ -1,5 +1,6 @@
 """Checkpoints: layout, pruning, atomic publish, bad inputs, consolidation, and
 resume equality for ddp / tp / zero3 (FSDP2) on 2 real gloo processes."""
+
 from __future__ import annotations
 
 import json
@@ -26,10 +27,19 @@ def _exact(a, b):
 def test_layout_pruning_and_consolidate(tmp_path):
     ck = tmp_path / "ck"
     weights = {}
-    res = run_training(TrainConfig(**GPT, strategy="single", micro_batch=8, steps=15,
-                                   checkpoint_dir=str(ck), checkpoint_every=5),
-                       on_finish=lambda r: weights.update(
-                           {k: v.detach().clone() for k, v in r.model.state_dict().items()}))
+    res = run_training(
+        TrainConfig(
+            **GPT,
+            strategy="single",
+            micro_batch=8,
+            steps=15,
+            checkpoint_dir=str(ck),
+            checkpoint_every=5,
+        ),
+        on_finish=lambda r: weights.update(
+            {k: v.detach().clone() for k, v in r.model.state_dict().items()}
+        ),
+    )
     assert len(res["losses"]) == 15
     # the newest 2 are kept, latest names the last one, no temp folder left
     assert sorted(os.listdir(ck)) == [LATEST, "step_000010", "step_000015"]
@@ -50,8 +60,7 @@ def test_layout_pruning_and_consolidate(tmp_path):
 
 def test_crash_mid_save_leaves_the_last_good_checkpoint(tmp_path, monkeypatch):
     ck = tmp_path / "ck"
-    cfg = dict(**GPT, strategy="single", micro_batch=8, checkpoint_dir=str(ck),
-               checkpoint_every=5)
+    cfg = dict(**GPT, strategy="single", micro_batch=8, checkpoint_dir=str(ck), checkpoint_every=5)
     reference = run_training(TrainConfig(**GPT, strategy="single", micro_batch=8, steps=20))
     publish = checkpoint.publish
 
@@ -80,8 +89,16 @@ def test_crash_mid_save_leaves_the_last_good_checkpoint(tmp_path, monkeypatch):
 def saved(tmp_path_factory):
     """A 5-step single-process checkpoint to break in different ways."""
     ck = tmp_path_factory.mktemp("saved") / "ck"
-    run_training(TrainConfig(**GPT, strategy="single", micro_batch=8, steps=5,
-                             checkpoint_dir=str(ck), checkpoint_every=5))
+    run_training(
+        TrainConfig(
+            **GPT,
+            strategy="single",
+            micro_batch=8,
+            steps=5,
+            checkpoint_dir=str(ck),
+            checkpoint_every=5,
+        )
+    )
     return ck
 
 
@@ -117,14 +134,17 @@ def test_corrupt_meta_and_pointer_are_refused(saved, tmp_path):
 
 def test_other_model_other_batch_and_no_steps_left_are_refused(saved):
     step = str(saved / "step_000005")
-    wide = TrainConfig(**GPT, strategy="single", resume_from=str(saved),
-                       gpt=GPTConfig(d_model=64))
-    with pytest.raises(ValueError, match=f"checkpoint at {step} was written by model tiny_gpt "
-                                         f"d_model=32, this config builds d_model=64"):
+    wide = TrainConfig(**GPT, strategy="single", resume_from=str(saved), gpt=GPTConfig(d_model=64))
+    with pytest.raises(
+        ValueError,
+        match=f"checkpoint at {step} was written by model tiny_gpt "
+        f"d_model=32, this config builds d_model=64",
+    ):
         wide.validate(1)
     with pytest.raises(ValueError, match="model tiny_gpt, this config builds simple_cnn"):
-        TrainConfig(model="simple_cnn", seed=1, strategy="single",
-                    resume_from=str(saved)).validate(1)
+        TrainConfig(model="simple_cnn", seed=1, strategy="single", resume_from=str(saved)).validate(
+            1
+        )
     with pytest.raises(ValueError, match="global batch 8, this config has 16"):
         TrainConfig(**GPT, strategy="single", micro_batch=16, resume_from=str(saved)).validate(1)
     with pytest.raises(ValueError, match="global batch 8, this config has 16"):
@@ -144,25 +164,37 @@ def test_bad_resume_fails_before_any_training(saved):
 # ---- 2 gloo processes ----------------------------------------------------------
 def _resume_equal(rank, world, cfg: dict, ck: str):
     """20 steps saving every 5, then a fresh run resumed from step 10."""
-    base = TrainConfig(**cfg, steps=20, checkpoint_dir=ck, checkpoint_every=5,
-                       checkpoint_keep=4)
+    base = TrainConfig(**cfg, steps=20, checkpoint_dir=ck, checkpoint_every=5, checkpoint_keep=4)
     full = run_training(base)
-    resumed = run_training(TrainConfig.from_dict(
-        {**base.to_dict(), "checkpoint_dir": ck + "-resumed",
-         "resume_from": os.path.join(ck, "step_000010")}))
-    return {"full": full["losses"], "resumed": resumed["losses"],
-            "steps": [r["step"] for r in resumed["history"]]}
+    resumed = run_training(
+        TrainConfig.from_dict(
+            {
+                **base.to_dict(),
+                "checkpoint_dir": ck + "-resumed",
+                "resume_from": os.path.join(ck, "step_000010"),
+            }
+        )
+    )
+    return {
+        "full": full["losses"],
+        "resumed": resumed["losses"],
+        "steps": [r["step"] for r in resumed["history"]],
+    }
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("layout", [
-    dict(strategy="ddp", micro_batch=4),
-    dict(strategy="tp", micro_batch=8),
-    dict(strategy="zero3", micro_batch=4),
-    dict(strategy="zero1", micro_batch=4),
-    dict(strategy="pipeline", micro_batch=4, grad_accum=2),
-    dict(strategy="zero2", backend="deepspeed", micro_batch=4),
-], ids=["ddp", "tp", "zero3-fsdp2", "zero1", "pipeline", "deepspeed-zero2"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(strategy="ddp", micro_batch=4),
+        dict(strategy="tp", micro_batch=8),
+        dict(strategy="zero3", micro_batch=4),
+        dict(strategy="zero1", micro_batch=4),
+        dict(strategy="pipeline", micro_batch=4, grad_accum=2),
+        dict(strategy="zero2", backend="deepspeed", micro_batch=4),
+    ],
+    ids=["ddp", "tp", "zero3-fsdp2", "zero1", "pipeline", "deepspeed-zero2"],
+)
 def test_resume_continues_the_same_loss_curve(layout, tmp_path):
     ck = tmp_path / "ck"
     out = run_distributed(_resume_equal, 2, {**GPT, **layout}, str(ck))

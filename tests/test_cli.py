@@ -1,4 +1,5 @@
 """The nbpar command line: one JSON object on stdout, exit 2 + one line on bad input."""
+
 from __future__ import annotations
 
 import json
@@ -9,23 +10,27 @@ import pytest
 
 
 def nbpar(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "nbpar", *args], capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "nbpar", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["train", "--engines", "0"], "--engines"),
-    (["train", "--strategy", "bogus"], "invalid choice: 'bogus'"),
-    (["train", "--micro-batch", "-1"], "--micro-batch"),
-    (["train", "--steps", "0"], "--steps"),
-    (["train", "--strategy", "single", "--engines", "2"], "--engines 1"),
-    (["estimate", "--params", "-5", "--world-size", "8"], "--params"),
-    (["estimate", "--params", "1e9"], "--world-size"),
-    (["bench", "launch", "--engines", "x"], "--engines"),
-    (["frobnicate"], "invalid choice"),
-    (["train", "--resume-from", "/nonexistent/ckpt"], "/nonexistent/ckpt"),
-    (["train", "--strategy", "hybrid", "--dp", "2", "--tp", "2", "--engines", "2"], "dp*tp*pp"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["train", "--engines", "0"], "--engines"),
+        (["train", "--strategy", "bogus"], "invalid choice: 'bogus'"),
+        (["train", "--micro-batch", "-1"], "--micro-batch"),
+        (["train", "--steps", "0"], "--steps"),
+        (["train", "--strategy", "single", "--engines", "2"], "--engines 1"),
+        (["estimate", "--params", "-5", "--world-size", "8"], "--params"),
+        (["estimate", "--params", "1e9"], "--world-size"),
+        (["bench", "launch", "--engines", "x"], "--engines"),
+        (["frobnicate"], "invalid choice"),
+        (["train", "--resume-from", "/nonexistent/ckpt"], "/nonexistent/ckpt"),
+        (["train", "--strategy", "hybrid", "--dp", "2", "--tp", "2", "--engines", "2"], "dp*tp*pp"),
+    ],
+)
 def test_bad_arguments_exit_2_with_one_line(args, needle):
     out = nbpar(*args, "--json")
     assert out.returncode == 2
@@ -35,8 +40,20 @@ def test_bad_arguments_exit_2_with_one_line(args, needle):
 
 
 def test_estimate_json_is_the_classic_table():
-    out = nbpar("estimate", "--params", "13e9", "--world-size", "1", "--strategy", "single",
-                "--optimizer", "adam", "--precision", "fp32", "--json")
+    out = nbpar(
+        "estimate",
+        "--params",
+        "13e9",
+        "--world-size",
+        "1",
+        "--strategy",
+        "single",
+        "--optimizer",
+        "adam",
+        "--precision",
+        "fp32",
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["per_rank_bytes"]["params"] == 52e9
@@ -49,8 +66,20 @@ def test_estimate_degrees_default_like_train():
     out = nbpar("estimate", "--params", "1e9", "--world-size", "4", "--strategy", "tp", "--json")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["per_rank_bytes"]["params"] == 1e9 * 4 / 4
-    out = nbpar("estimate", "--params", "1e9", "--world-size", "4", "--strategy", "hybrid",
-                "--dp", "2", "--tp", "3", "--json")
+    out = nbpar(
+        "estimate",
+        "--params",
+        "1e9",
+        "--world-size",
+        "4",
+        "--strategy",
+        "hybrid",
+        "--dp",
+        "2",
+        "--tp",
+        "3",
+        "--json",
+    )
     assert out.returncode == 2 and "must equal" in out.stderr
 
 
@@ -75,7 +104,15 @@ def test_train_for_people_shows_progress_and_a_table():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     assert lines[0].startswith("ddp/torch simple_cnn: 4 steps, final loss ")
-    assert lines[1].split() == ["rank", "params", "grads", "optimizer", "activations", "peak",
-                                "process", "sent/step"]
+    assert lines[1].split() == [
+        "rank",
+        "params",
+        "grads",
+        "optimizer",
+        "activations",
+        "peak",
+        "process",
+        "sent/step",
+    ]
     assert [line.split()[0] for line in lines[2:]] == ["0", "1"]
     assert "4/4" in out.stderr and "100%" in out.stderr  # the progress bar, on stderr

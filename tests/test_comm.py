@@ -3,6 +3,7 @@ theory: bytes one rank sends per step within 10% of the ring accounting (the ZeR
 paper's 2 Psi for DDP and ZeRO-1/2, 3 Psi for ZeRO-3, Megatron's activation
 all-reduces for TP, one activation per micro-batch per boundary for pipelines), and of
 `estimate.comm_bytes_per_step` where an implementation moves more than the paper."""
+
 from __future__ import annotations
 
 import pytest
@@ -30,18 +31,28 @@ def _run(pool, **kw) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def data_parallel(pool):
-    cases = [(s, b, k) for b in ("torch", "deepspeed") for s in ("ddp", "zero1", "zero2", "zero3")
-             for k in (1, 2)]
-    return {c: _run(pool, strategy=c[0], backend=c[1], micro_batch=MICRO, grad_accum=c[2])
-            for c in cases}
+    cases = [
+        (s, b, k)
+        for b in ("torch", "deepspeed")
+        for s in ("ddp", "zero1", "zero2", "zero3")
+        for k in (1, 2)
+    ]
+    return {
+        c: _run(pool, strategy=c[0], backend=c[1], micro_batch=MICRO, grad_accum=c[2])
+        for c in cases
+    }
 
 
 def test_ddp_and_fsdp_move_what_the_zero_paper_says(data_parallel):
     psi = _psi()
     paper = {"ddp": 2, "zero2": 2, "zero3": 3}  # x Psi (n-1)/n, one micro-batch
     for (strategy, backend, k), ranks in data_parallel.items():
-        if k != 1 or strategy not in paper or (strategy, backend) == ("zero2", "deepspeed") \
-                or (strategy, backend) == ("zero3", "deepspeed"):
+        if (
+            k != 1
+            or strategy not in paper
+            or (strategy, backend) == ("zero2", "deepspeed")
+            or (strategy, backend) == ("zero3", "deepspeed")
+        ):
             continue
         want = paper[strategy] * psi * (WORLD - 1) / WORLD
         for r in ranks:
@@ -51,8 +62,9 @@ def test_ddp_and_fsdp_move_what_the_zero_paper_says(data_parallel):
 def test_every_data_parallel_strategy_matches_its_model(data_parallel):
     psi = _psi()
     for (strategy, backend, k), ranks in data_parallel.items():
-        want = comm_bytes_per_step(strategy, param_bytes=psi, dp=WORLD, backend=backend,
-                                   grad_accum=k)
+        want = comm_bytes_per_step(
+            strategy, param_bytes=psi, dp=WORLD, backend=backend, grad_accum=k
+        )
         for r in ranks:
             assert r["comm_bytes"] == pytest.approx(want, rel=0.10), (strategy, backend, k)
             assert sum(r["comm_bytes_by_op"].values()) == pytest.approx(r["comm_bytes"], abs=8)
@@ -63,8 +75,9 @@ def test_every_data_parallel_strategy_matches_its_model(data_parallel):
 def test_tensor_and_pipeline_parallel_move_activations(pool):
     act = MICRO * GPT.seq_len * GPT.d_model * 4  # one micro-batch's hidden states, fp32
     tp = _run(pool, strategy="tp", micro_batch=MICRO, grad_accum=2)
-    want = comm_bytes_per_step("tp", param_bytes=0, tp=WORLD, grad_accum=2,
-                               activation_bytes=act, layers=GPT.n_layers)
+    want = comm_bytes_per_step(
+        "tp", param_bytes=0, tp=WORLD, grad_accum=2, activation_bytes=act, layers=GPT.n_layers
+    )
     # Megatron's 4 all-reduces per layer (2 micro-batches, ring 2(n-1)/n) would be 2/3 of
     # this; nbpar's split Q, K, V add 2 input-gradient all-reduces per layer
     megatron = 2 * 4 * GPT.n_layers * act * 2 * (WORLD - 1) / WORLD
@@ -74,8 +87,9 @@ def test_tensor_and_pipeline_parallel_move_activations(pool):
         assert set(r["comm_bytes_by_op"]) == {"all_reduce"}
     pp = _run(pool, strategy="pipeline", schedule="gpipe", micro_batch=MICRO, grad_accum=4)
     for stage, r in enumerate(pp):
-        want = comm_bytes_per_step("pipeline", param_bytes=0, pp=WORLD, grad_accum=4,
-                                   activation_bytes=act, pp_stage=stage)
+        want = comm_bytes_per_step(
+            "pipeline", param_bytes=0, pp=WORLD, grad_accum=4, activation_bytes=act, pp_stage=stage
+        )
         assert want == 4 * act  # first stage: 4 activations out; last: 4 gradients back
         assert r["comm_bytes_by_op"]["send_recv"] == pytest.approx(want, rel=0.01)
         assert r["comm_bytes"] == pytest.approx(want, rel=0.10)
@@ -133,8 +147,7 @@ def _late_partner(rank, world, overlap):
             while not work.is_completed():
                 a = torch.tanh(a @ a)
         work.wait()
-    return {"comm_s": meter.comm_s(), "exposed_s": meter.exposed_comm_s(),
-            "bytes": meter.by_op()}
+    return {"comm_s": meter.comm_s(), "exposed_s": meter.exposed_comm_s(), "bytes": meter.by_op()}
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -1,4 +1,5 @@
 """compare(): table rows and bars equal the runs' numbers; Runs and result dicts both work."""
+
 from __future__ import annotations
 
 import base64
@@ -14,8 +15,11 @@ from tests.viz_fakes import MB, FakeRun, history
 
 def _runs():
     ddp = FakeRun(cfg=TrainConfig(strategy="ddp", steps=5), history=history(5), finished=True)
-    zero = FakeRun(cfg=TrainConfig(strategy="zero3", backend="deepspeed", steps=5),
-                   history=history(5, comm=(0.02, 0.04)), finished=True)
+    zero = FakeRun(
+        cfg=TrainConfig(strategy="zero3", backend="deepspeed", steps=5),
+        history=history(5, comm=(0.02, 0.04)),
+        finished=True,
+    )
     return ddp, zero
 
 
@@ -38,9 +42,12 @@ def test_table_rows_from_runs_and_dicts():
 def test_figure_bars_match_the_table():
     cmp = compare(list(_runs()))
     peak, step, comm, loss = cmp.figure.axes
-    for ax, key in ((peak, "peak_bytes"), (step, "step_time_s"),
-                    (comm, "exposed_comm_fraction"),
-                    (loss, "final_loss")):
+    for ax, key in (
+        (peak, "peak_bytes"),
+        (step, "step_time_s"),
+        (comm, "exposed_comm_fraction"),
+        (loss, "final_loss"),
+    ):
         assert [p.get_height() for p in ax.patches] == [row[key] for row in cmp.table]
     assert [t.get_text() for t in peak.get_xticklabels()] == ["ddp/torch", "zero3/deepspeed"]
     assert list(comm.get_lines()[0].get_ydata()) == [0.2, 0.2]
@@ -73,8 +80,11 @@ def test_duplicate_labels_and_bad_input():
 
 def test_steps_batch_and_precision_beside_the_numbers_and_warnings():
     ddp, _ = _runs()
-    long = FakeRun(cfg=TrainConfig(strategy="zero2", steps=8, micro_batch=4, precision="bf16"),
-                   history=history(8), finished=True)
+    long = FakeRun(
+        cfg=TrainConfig(strategy="zero2", steps=8, micro_batch=4, precision="bf16"),
+        history=history(8),
+        finished=True,
+    )
     cmp = compare([ddp, long])
     a, b = cmp.table
     assert (a["steps"], a["global_batch"], a["precision"]) == (5, 16, "fp32")
@@ -85,7 +95,8 @@ def test_steps_batch_and_precision_beside_the_numbers_and_warnings():
         "runs differ in global batch (ddp/torch 16 samples, zero2/torch 8 samples): losses "
         "and throughput are not like for like",
         "runs differ in precision (ddp/torch fp32, zero2/torch bf16): memory, speed and "
-        "losses differ by design"]
+        "losses differ by design",
+    ]
     assert repr(cmp).splitlines()[-3].startswith("warning: runs differ in length")
     page = cmp._repr_html_()
     assert page.count("nbpar-warning") == 3 and "<th>global batch</th>" in page
@@ -108,12 +119,20 @@ def test_run_result_displays_a_summary_and_stays_the_same_dict():
     from nbpar.pool.run import RunResult
 
     ddp, _ = _runs()
-    plain = FakeRun(cfg=TrainConfig(strategy="ddp", steps=300), history=history(300),
-                    finished=True).result()
+    plain = FakeRun(
+        cfg=TrainConfig(strategy="ddp", steps=300), history=history(300), finished=True
+    ).result()
     res = RunResult(plain)
     assert res == plain and json.loads(json.dumps(res)) == json.loads(json.dumps(plain))
-    assert set(res) == {"config", "losses", "ranks", "step_time_s", "comm_fraction",
-                        "exposed_comm_fraction", "bubble_fraction"}
+    assert set(res) == {
+        "config",
+        "losses",
+        "ranks",
+        "step_time_s",
+        "comm_fraction",
+        "exposed_comm_fraction",
+        "bubble_fraction",
+    }
     text = pretty(res)
     assert len(text.splitlines()) <= 8 and len(text) < 800
     assert "ddp/torch tiny_gpt: 300 steps, global batch 16, fp32" in text
@@ -131,6 +150,9 @@ def make_tiny_mlp():
 def test_a_factory_model_is_labelled_by_its_name():
     from nbpar.view.picker_runs import run_row
 
-    run = FakeRun(cfg=TrainConfig(strategy="ddp", steps=3, model=make_tiny_mlp),
-                  history=history(3), finished=True)
+    run = FakeRun(
+        cfg=TrainConfig(strategy="ddp", steps=3, model=make_tiny_mlp),
+        history=history(3),
+        finished=True,
+    )
     assert run_row(run)["run"] == "ddp/torch tests.test_compare:make_tiny_mlp"

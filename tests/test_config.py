@@ -1,4 +1,5 @@
 """TrainConfig validation: every bad input fails early with one clear sentence."""
+
 import json
 
 import pytest
@@ -22,20 +23,35 @@ BAD = [
     (dict(steps=0), 2, "steps must be a positive integer"),
     (dict(lr=0.0), 2, "lr must be a positive number, got 0.0"),
     (dict(strategy="ddp", schedule="gpipe"), 2, "schedule='gpipe' applies only to strategies"),
-    (dict(strategy="zero3", offload="optimizer"), 2,
-     "offload='optimizer' needs backend='deepspeed'"),
+    (
+        dict(strategy="zero3", offload="optimizer"),
+        2,
+        "offload='optimizer' needs backend='deepspeed'",
+    ),
     (dict(strategy="ddp", backend="deepspeed", offload="params"), 2, "needs strategy zero3"),
-    (dict(strategy="pipeline", backend="deepspeed",
-          deepspeed_config={"zero_optimization": {"stage": 2}}), 2,
-     "DeepSpeed's PipelineModule supports ZeRO stage 0/1 only"),
-    (dict(strategy="ddp", backend="torch", deepspeed_config={}), 2,
-     "deepspeed_config needs backend='deepspeed'"),
+    (
+        dict(
+            strategy="pipeline",
+            backend="deepspeed",
+            deepspeed_config={"zero_optimization": {"stage": 2}},
+        ),
+        2,
+        "DeepSpeed's PipelineModule supports ZeRO stage 0/1 only",
+    ),
+    (
+        dict(strategy="ddp", backend="torch", deepspeed_config={}),
+        2,
+        "deepspeed_config needs backend='deepspeed'",
+    ),
     (dict(strategy="ddp", dp=3), 2, "must equal the number of engines"),
     (dict(strategy="ddp", tp=2), 2, "does not split along tp"),
     (dict(strategy="hybrid"), 4, "strategy 'hybrid' needs explicit degrees"),
     (dict(strategy="hybrid", dp=2, pp=2), 8, "must equal the number of engines"),
-    (dict(strategy="tp", gpt=GPTConfig(n_heads=3, d_model=24)), 2,
-     "tp=2 must divide gpt.n_heads=3"),
+    (
+        dict(strategy="tp", gpt=GPTConfig(n_heads=3, d_model=24)),
+        2,
+        "tp=2 must divide gpt.n_heads=3",
+    ),
     (dict(strategy="pipeline"), 3, "pp=3 pipeline stages need at least 3 layers"),
     (dict(strategy="tp", model="simple_cnn"), 2, "needs model 'tiny_gpt'"),
     (dict(strategy="pipeline", model="simple_cnn"), 2, "needs model 'tiny_gpt'"),
@@ -63,15 +79,18 @@ def test_pipeline_options_checked_without_world_size():
         TrainConfig(strategy="hybrid", pp=4, dp=1).validate()
 
 
-@pytest.mark.parametrize("kwargs,world,expect", [
-    (dict(strategy="ddp"), 4, (1, 4, 1)),
-    (dict(strategy="zero3"), 2, (1, 2, 1)),
-    (dict(strategy="pipeline", grad_accum=2), 2, (2, 1, 1)),
-    (dict(strategy="tp"), 4, (1, 1, 4)),
-    (dict(strategy="hybrid", dp=2, pp=2, grad_accum=2), 4, (2, 2, 1)),
-    (dict(strategy="hybrid", dp=2, tp=2, pp=2, grad_accum=2), 8, (2, 2, 2)),
-    (dict(strategy="single"), 1, (1, 1, 1)),
-])
+@pytest.mark.parametrize(
+    "kwargs,world,expect",
+    [
+        (dict(strategy="ddp"), 4, (1, 4, 1)),
+        (dict(strategy="zero3"), 2, (1, 2, 1)),
+        (dict(strategy="pipeline", grad_accum=2), 2, (2, 1, 1)),
+        (dict(strategy="tp"), 4, (1, 1, 4)),
+        (dict(strategy="hybrid", dp=2, pp=2, grad_accum=2), 4, (2, 2, 1)),
+        (dict(strategy="hybrid", dp=2, tp=2, pp=2, grad_accum=2), 8, (2, 2, 2)),
+        (dict(strategy="single"), 1, (1, 1, 1)),
+    ],
+)
 def test_default_degrees(kwargs, world, expect):
     cfg = TrainConfig(**kwargs).validate(world)
     dims = cfg.dims(world)
@@ -82,28 +101,43 @@ def test_default_degrees(kwargs, world, expect):
 def test_valid_deepspeed_and_pipeline_configs_pass(tmp_path, half_precision):
     half_precision(fp16=True)
     TrainConfig(strategy="pipeline", schedule="gpipe").validate(2)
-    TrainConfig(strategy="zero3", backend="deepspeed", offload="params",
-                precision="fp16").validate(2)
+    TrainConfig(strategy="zero3", backend="deepspeed", offload="params", precision="fp16").validate(
+        2
+    )
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
     with pytest.raises(ValueError, match="supports ZeRO stage 0/1 only"):
-        TrainConfig(strategy="pipeline", backend="deepspeed",
-                    deepspeed_config=str(path)).validate(2)
+        TrainConfig(strategy="pipeline", backend="deepspeed", deepspeed_config=str(path)).validate(
+            2
+        )
     with pytest.raises(ValueError, match="cannot read DeepSpeed config file.*missing.json"):
-        TrainConfig(strategy="ddp", backend="deepspeed",
-                    deepspeed_config=str(tmp_path / "missing.json")).validate(2)
+        TrainConfig(
+            strategy="ddp", backend="deepspeed", deepspeed_config=str(tmp_path / "missing.json")
+        ).validate(2)
 
 
 def test_deepspeed_config_keys_are_checked_by_ds_config():
     with pytest.raises(ValueError, match="zero_optimisation"):
-        TrainConfig(strategy="zero2", backend="deepspeed",
-                    deepspeed_config={"zero_optimisation": {"stage": 2}}).validate(2)
+        TrainConfig(
+            strategy="zero2",
+            backend="deepspeed",
+            deepspeed_config={"zero_optimisation": {"stage": 2}},
+        ).validate(2)
 
 
 def test_round_trip_through_dict_and_json():
-    cfg = TrainConfig(model="tiny_gpt", strategy="hybrid", dp=2, pp=2, schedule="gpipe",
-                      micro_batch=4, grad_accum=3, lr=3e-4, seed=7,
-                      gpt=GPTConfig(d_model=16, n_heads=2, n_layers=4))
+    cfg = TrainConfig(
+        model="tiny_gpt",
+        strategy="hybrid",
+        dp=2,
+        pp=2,
+        schedule="gpipe",
+        micro_batch=4,
+        grad_accum=3,
+        lr=3e-4,
+        seed=7,
+        gpt=GPTConfig(d_model=16, n_heads=2, n_layers=4),
+    )
     d = json.loads(json.dumps(cfg.to_dict()))
     assert d["gpt"]["n_layers"] == 4
     back = TrainConfig.from_dict(d)

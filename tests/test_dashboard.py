@@ -1,5 +1,6 @@
 """The live dashboard sends the browser exactly the new steps of the history, in panels
 that show what differs per rank; the static figure draws the same state."""
+
 from __future__ import annotations
 
 import math
@@ -36,8 +37,7 @@ def test_before_the_first_step_every_panel_waits_without_axes():
     chunk, spec = dash.chart.chunk, dash.chart.spec
     assert dash.chart.x == [] and chunk["x"] == []
     assert spec["waiting"] == WAITING == "waiting for the first step"
-    assert [p["id"] for p in spec["panels"]] == ["loss", "step", "throughput", "states",
-                                                 "process"]
+    assert [p["id"] for p in spec["panels"]] == ["loss", "step", "throughput", "states", "process"]
     assert all(p["series"] == [] for p in spec["panels"])  # nothing to draw yet
     assert dash.status == {"text": "starting… 0/20 steps", "value": 0, "max": 20, "style": ""}
     assert chunk["status"] == dash.status  # the progress line travels with the data
@@ -85,8 +85,9 @@ def test_loss_is_one_global_line_and_rank_lines_only_when_ranks_differ():
     labels = [s["label"] for s in _panel(dash.chart.spec, "loss")["series"]]
     assert labels == ["loss (mean over ranks)", "rank 0 own batch", "rank 1 own batch"]
     for i, rank in enumerate((0, 1), start=1):
-        assert _col(dash.chart, "loss", i) == [r["local_loss"] for r in run.history
-                                               if r["rank"] == rank]
+        assert _col(dash.chart, "loss", i) == [
+            r["local_loss"] for r in run.history if r["rank"] == rank
+        ]
 
 
 def test_memory_states_and_process_are_separate_panels_per_rank():
@@ -99,8 +100,9 @@ def test_memory_states_and_process_are_separate_panels_per_rank():
         recs = [r for r in run.history if r["rank"] == rank]
         assert _col(dash.chart, "states", i) == [(4 + rank + 4 + 8) * MB] * 3
         assert _col(dash.chart, "process", i) == [r["rss_bytes"] for r in recs]
-    assert dash.chart.notes["states"].startswith("rank 0: params 4.2 MB, grads 4.2 MB, "
-                                                 "optimizer 8.4 MB · rank 1: params 5.2 MB")
+    assert dash.chart.notes["states"].startswith(
+        "rank 0: params 4.2 MB, grads 4.2 MB, optimizer 8.4 MB · rank 1: params 5.2 MB"
+    )
     assert dash.chart.notes["process"] == "peak: rank 0 127.9 MB · rank 1 129.0 MB"
     gpu = history(2)
     for rec in gpu:
@@ -115,8 +117,7 @@ def test_step_and_comm_time_per_rank_with_the_health_note():
     dash = live(run)
     labels = [s["label"] for s in _panel(dash.chart.spec, "step")["series"]]
     assert labels == ["rank 0 step", "rank 1 step", "rank 0 comm", "rank 1 comm"]
-    assert _col(dash.chart, "step", 1) == [r["step_time_s"] for r in run.history
-                                           if r["rank"] == 1]
+    assert _col(dash.chart, "step", 1) == [r["step_time_s"] for r in run.history if r["rank"] == 1]
     assert _col(dash.chart, "step", 3) == [0.03] * 4
     share = 0.12 / sum(r["step_time_s"] for r in run.history if r["rank"] == 1)
     assert share > COMM_HEALTH
@@ -213,8 +214,9 @@ def test_static_figure_shows_the_same_panels():
     panels = dash.panels
     loss = panels["loss"]
     assert list(loss.line.get_ydata()) == [5.0 / (1 + s) for s in range(5)]
-    assert list(loss.local[1].get_ydata()) == [r["local_loss"] for r in run.history
-                                               if r["rank"] == 1]
+    assert list(loss.local[1].get_ydata()) == [
+        r["local_loss"] for r in run.history if r["rank"] == 1
+    ]
     memory = panels["memory"]
     last = [r for r in run.history if r["rank"] == 1][-1]
     assert memory.bars["params"].patches[1].get_height() == 5 * MB
@@ -274,8 +276,9 @@ def test_plot_step_split_static():
     ax = plot_step_split(run).axes[0]
     groups = by_rank(run.history)
     heights = [p.get_height() for p in ax.patches[:2]]
-    expected = [sum(r["comm_s"] for r in g) / sum(r["step_time_s"] for r in g)
-                for g in groups.values()]
+    expected = [
+        sum(r["comm_s"] for r in g) / sum(r["step_time_s"] for r in g) for g in groups.values()
+    ]
     assert heights == pytest.approx(expected)
 
 

@@ -1,4 +1,5 @@
 """Data sets in their real formats, and the DistributedSampler sharding contract."""
+
 import os
 import pickle
 
@@ -21,8 +22,9 @@ from nbpar.train.data import (
 
 def test_cifar10_reader_reads_written_format(tmp_path):
     root = write_cifar10_format(str(tmp_path), n_per_batch=20, seed=1)
-    assert sorted(os.listdir(root)) == ["batches.meta"] + [f"data_batch_{i}" for i in
-                                                          range(1, 6)] + ["test_batch"]
+    assert sorted(os.listdir(root)) == ["batches.meta"] + [
+        f"data_batch_{i}" for i in range(1, 6)
+    ] + ["test_batch"]
     with open(os.path.join(root, "data_batch_1"), "rb") as f:
         raw = pickle.load(f, encoding="bytes")
     assert raw[b"data"].dtype == np.uint8 and raw[b"data"].shape == (20, 3072)
@@ -33,9 +35,12 @@ def test_cifar10_reader_reads_written_format(tmp_path):
     assert y == raw[b"labels"][7]
     assert set(train.labels) <= set(range(10)) and len(set(train.labels)) > 5
     # pixel 0 of channel 0 round-trips through the normalisation
-    torch.testing.assert_close(x[0, 0, 0] * 0.2470 + 0.4914,
-                               torch.tensor(raw[b"data"][7, 0] / 255.0, dtype=torch.float32),
-                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        x[0, 0, 0] * 0.2470 + 0.4914,
+        torch.tensor(raw[b"data"][7, 0] / 255.0, dtype=torch.float32),
+        atol=1e-4,
+        rtol=0,
+    )
 
 
 def test_synthetic_set_is_reused_and_deterministic(tmp_path):

@@ -1,4 +1,5 @@
 """DDP runner on real gloo processes against a single-process reference."""
+
 import pytest
 import torch
 
@@ -22,8 +23,14 @@ def _ddp_steps(rank, world, accums):
     mesh = ParallelDims(dp=world, world_size=world).build_mesh("cpu")
     outs = []
     for accum in accums:
-        cfg = TrainConfig(model="simple_cnn", strategy="ddp", micro_batch=4 // accum,
-                          grad_accum=accum, optimizer="sgd", lr=0.1)
+        cfg = TrainConfig(
+            model="simple_cnn",
+            strategy="ddp",
+            micro_batch=4 // accum,
+            grad_accum=accum,
+            optimizer="sgd",
+            lr=0.1,
+        )
         runner = build_runner(build_model(cfg), cfg, mesh)
         x, y = _batch(8)
         mine = slice(4 * rank, 4 * rank + 4)
@@ -35,11 +42,17 @@ def _ddp_steps(rank, world, accums):
         loss = runner.train_step(list(zip(x[mine].chunk(accum), y[mine].chunk(accum))))
         timer.end_step()
         module = runner.model.module
-        outs.append({"loss": loss.item(), "buckets": len(calls),
-                     "grads": [p.grad.numpy().copy() for p in module.parameters()],
-                     "params": [p.detach().numpy().copy() for p in module.parameters()],
-                     "comm_s": timer.comm_s(), "fraction": timer.fraction(),
-                     "mem": runner.memory()})
+        outs.append(
+            {
+                "loss": loss.item(),
+                "buckets": len(calls),
+                "grads": [p.grad.numpy().copy() for p in module.parameters()],
+                "params": [p.detach().numpy().copy() for p in module.parameters()],
+                "comm_s": timer.comm_s(),
+                "fraction": timer.fraction(),
+                "mem": runner.memory(),
+            }
+        )
         runner.close()
     return outs
 

@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO 0-3 (+ offload, bf16, fp16) on 2 gloo processes against
 single-process Adam. DeepSpeed's start-up is slow on CPU, so one pair of
 processes runs several configurations in a row."""
+
 from __future__ import annotations
 
 import copy
@@ -23,10 +24,13 @@ from tests.reference.mlp import (
 )
 
 # the classic ds_config of DeepSpeed's tutorials, used as written
-CLASSIC = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
-           "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-           "fp16": {"enabled": True},
-           "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+CLASSIC = {
+    "train_micro_batch_size_per_gpu": 8,
+    "gradient_accumulation_steps": 1,
+    "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+    "fp16": {"enabled": True},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+}
 # fp16 (with fp32 master weights) vs the fp32 reference: measured ~6e-5 on the loss and
 # ~1e-3 on a parameter; bf16 tolerances are in tests/test_zero.py
 FP16_LOSS_ATOL, FP16_PARAM_ATOL = 1e-3, 5e-3
@@ -49,8 +53,9 @@ def _run_ds(rank, world, cfgs):
         engine = weakref.ref(runner.engine)
         runner.close()
         runner.close()  # idempotent
-        results.append({"losses": losses, "params": params, "memory": memory,
-                        "engine_freed": engine() is None})
+        results.append(
+            {"losses": losses, "params": params, "memory": memory, "engine_freed": engine() is None}
+        )
     return results
 
 
@@ -60,8 +65,14 @@ def ds_cfg(strategy, **kw):
 
 @pytest.mark.timeout(180)
 def test_deepspeed_stages_match_single_process_adam():
-    cfgs = [ds_cfg("ddp"), ds_cfg("zero1"), ds_cfg("zero2"), ds_cfg("zero3"),
-            ds_cfg("zero2", offload="optimizer"), ds_cfg("zero3", offload="optimizer")]
+    cfgs = [
+        ds_cfg("ddp"),
+        ds_cfg("zero1"),
+        ds_cfg("zero2"),
+        ds_cfg("zero3"),
+        ds_cfg("zero2", offload="optimizer"),
+        ds_cfg("zero3", offload="optimizer"),
+    ]
     out = run_distributed(_run_ds, WORLD, cfgs, timeout=175)
     ref, full = reference(), full_bytes()
     for i, cfg in enumerate(cfgs):
@@ -88,8 +99,15 @@ FP16 = __import__("nbpar.device").device.half_precision_support("gloo")["fp16"]
 
 @pytest.mark.timeout(180)
 def test_deepspeed_half_precision_classic_config_param_offload_and_dp_group():
-    classic = ds_cfg("zero3", precision="fp16", offload="optimizer", micro_batch=8,
-                     grad_accum=1, lr=1e-3, deepspeed_config=copy.deepcopy(CLASSIC))
+    classic = ds_cfg(
+        "zero3",
+        precision="fp16",
+        offload="optimizer",
+        micro_batch=8,
+        grad_accum=1,
+        lr=1e-3,
+        deepspeed_config=copy.deepcopy(CLASSIC),
+    )
     half = [ds_cfg("zero3", precision="bf16"), ds_cfg("zero1", precision="bf16")]
     if FP16:  # the fp16 leg runs where the hardware has fp16 ...
         half.append(classic)
@@ -98,8 +116,10 @@ def test_deepspeed_half_precision_classic_config_param_offload_and_dp_group():
 
         with pytest.raises(ValueError, match="needs AVX512-FP16 or AMX-FP16.*'bf16'"):
             TrainConfig(deepspeed_config=copy.deepcopy(CLASSIC)).validate(2)
-    cfgs = half + [ds_cfg("zero3", offload="params"),
-                   ds_cfg("zero2", dp=1, micro_batch=8, grad_accum=2)]  # dp group via MeshMPU
+    cfgs = half + [
+        ds_cfg("zero3", offload="params"),
+        ds_cfg("zero2", dp=1, micro_batch=8, grad_accum=2),
+    ]  # dp group via MeshMPU
     out = run_distributed(_run_ds, WORLD, cfgs, timeout=175)
     ref, n = reference(), len(half)
     for rank in range(WORLD):
@@ -112,8 +132,7 @@ def test_deepspeed_half_precision_classic_config_param_offload_and_dp_group():
     atols = [(BF16_LOSS_ATOL, BF16_PARAM_ATOL)] * 2 + [(FP16_LOSS_ATOL, FP16_PARAM_ATOL)]
     for i, (ref, (loss_atol, param_atol)) in enumerate(zip(refs[:n], atols)):
         for rank in range(WORLD):
-            check_against_reference(out[rank][i], ref, loss_atol=loss_atol,
-                                    param_atol=param_atol)
+            check_against_reference(out[rank][i], ref, loss_atol=loss_atol, param_atol=param_atol)
             # half precision really changed the numerics
             diff = max(abs(a - b) for a, b in zip(out[rank][i]["losses"], ref[0]))
             assert diff > 1e-6

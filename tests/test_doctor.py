@@ -1,5 +1,6 @@
 """The hang doctor on real hangs: a rank that sleeps, skips a collective, or sends a
 different shape; every rank answers from a side thread while blocked in gloo."""
+
 from __future__ import annotations
 
 import re
@@ -36,9 +37,12 @@ def test_a_rank_that_sleeps_is_named_with_its_cell_line(ip, pool, capsys):
     err = hang(pool, "if dist.get_rank() == 1:\n    time.sleep(60)\ndist.all_reduce(t)\n")
     msg = str(err)
     assert "\n" not in msg
-    m = re.search(r"rank 1 is not in a collective, at cell line 2: time.sleep\(60\) "
-                  r"\(last: all_reduce #(\d+)\); rank 0 waits in all_reduce #(\d+) "
-                  r"\(cell line 3: dist.all_reduce\(t\)\)", msg)
+    m = re.search(
+        r"rank 1 is not in a collective, at cell line 2: time.sleep\(60\) "
+        r"\(last: all_reduce #(\d+)\); rank 0 waits in all_reduce #(\d+) "
+        r"\(cell line 3: dist.all_reduce\(t\)\)",
+        msg,
+    )
     assert m, msg
     assert int(m[2]) == int(m[1]) + 1
     # on demand, while the cell is still running: every rank's stack and collectives
@@ -58,16 +62,22 @@ def test_a_rank_that_sleeps_is_named_with_its_cell_line(ip, pool, capsys):
 
 def test_a_rank_that_skips_a_collective(pool):
     err = hang(pool, "if dist.get_rank() == 0:\n    dist.all_reduce(t)\ndist.barrier()\n")
-    assert re.search(r"ranks disagree on collective #\d+: rank 0 calls all_reduce; "
-                     r"rank 1 calls barrier", str(err)), str(err)
+    assert re.search(
+        r"ranks disagree on collective #\d+: rank 0 calls all_reduce; "
+        r"rank 1 calls barrier",
+        str(err),
+    ), str(err)
     assert err.report.reports[1]["where"]["line"] == 3
     pool.restart()
 
 
 def test_mismatched_shapes(pool):
     err = hang(pool, "dist.all_reduce(torch.ones(3 + dist.get_rank()))\n")
-    assert re.search(r"all_reduce #\d+ has different shapes on different ranks: "
-                     r"rank 0 \[3\], rank 1 \[4\]; rank 1 still in it", str(err)), str(err)
+    assert re.search(
+        r"all_reduce #\d+ has different shapes on different ranks: "
+        r"rank 0 \[3\], rank 1 \[4\]; rank 1 still in it",
+        str(err),
+    ), str(err)
     pool.restart()
 
 
@@ -76,18 +86,34 @@ def test_a_rank_behind_its_peers_is_named_among_four():
     from nbpar.pool.doctor import diagnose
 
     def rep(seq, line):
-        c = {"seq": seq, "op": "all_reduce", "group": "default", "group_id": "0",
-             "shapes": [[8]], "state": "scheduled"}
+        c = {
+            "seq": seq,
+            "op": "all_reduce",
+            "group": "default",
+            "group_id": "0",
+            "shapes": [[8]],
+            "state": "scheduled",
+        }
         done = [{**c, "seq": s, "state": "completed"} for s in range(1, seq)]
-        return {"state": "in collective", "waiting_in": c, "collectives": done + [c],
-                "where": {"line": line, "code": "dist.all_reduce(x)", "cell": True,
-                          "file": "cell", "function": "<module>"}}
+        return {
+            "state": "in collective",
+            "waiting_in": c,
+            "collectives": done + [c],
+            "where": {
+                "line": line,
+                "code": "dist.all_reduce(x)",
+                "cell": True,
+                "file": "cell",
+                "function": "<module>",
+            },
+        }
 
     reports = {0: rep(18, 6), 1: rep(17, 4), 2: rep(18, 6), 3: rep(18, 6)}
     reports[1]["collectives"] = reports[1]["collectives"][:-1]  # #17 in flight, not #18
     assert diagnose(reports, range(4)) == (
         "rank 1 is at all_reduce #17 (cell line 4: dist.all_reduce(x)); "
-        "ranks 0, 2, 3 wait in all_reduce #18")
+        "ranks 0, 2, 3 wait in all_reduce #18"
+    )
 
 
 def test_bad_input_one_clear_line_each(ip, pool):
@@ -111,8 +137,9 @@ def test_doctor_while_a_training_run_is_in_progress(pool):
     import nbpar
 
     pool.activate()
-    run = pool.train(nbpar.TrainConfig(model="tiny_gpt", strategy="ddp", micro_batch=4,
-                                       steps=100_000))
+    run = pool.train(
+        nbpar.TrainConfig(model="tiny_gpt", strategy="ddp", micro_batch=4, steps=100_000)
+    )
     try:
         while len(run.history) < 2:
             time.sleep(0.05)

@@ -1,4 +1,5 @@
 """ds_config checking and building: client side, no torch or deepspeed needed."""
+
 from __future__ import annotations
 
 import copy
@@ -11,16 +12,30 @@ import pytest
 
 from nbpar.parallel.ds_config import ds_config_for, validate_ds_config
 
-CLASSIC = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
-           "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-           "fp16": {"enabled": True},
-           "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+CLASSIC = {
+    "train_micro_batch_size_per_gpu": 8,
+    "gradient_accumulation_steps": 1,
+    "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+    "fp16": {"enabled": True},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+}
 
 
 def cfg(**kw):
-    fields = dict(strategy="zero3", micro_batch=8, grad_accum=1, precision="fp16",
-                  offload="optimizer", lr=1e-3, optimizer="adam", deepspeed_config=None,
-                  optimizer_params=None, grad_clip=0.0, lr_schedule=None, steps=20)
+    fields = dict(
+        strategy="zero3",
+        micro_batch=8,
+        grad_accum=1,
+        precision="fp16",
+        offload="optimizer",
+        lr=1e-3,
+        optimizer="adam",
+        deepspeed_config=None,
+        optimizer_params=None,
+        grad_clip=0.0,
+        lr_schedule=None,
+        steps=20,
+    )
     return types.SimpleNamespace(**{**fields, **kw})
 
 
@@ -32,14 +47,18 @@ def test_classic_config_validates_as_written(tmp_path):
 
 
 def test_typo_keys_get_did_you_mean():
-    want = ("unknown DeepSpeed config key 'train_micro_batch_size_per_gp' "
-            "\\(did you mean 'train_micro_batch_size_per_gpu'\\?\\)")
+    want = (
+        "unknown DeepSpeed config key 'train_micro_batch_size_per_gp' "
+        "\\(did you mean 'train_micro_batch_size_per_gpu'\\?\\)"
+    )
     with pytest.raises(ValueError, match=want):
         validate_ds_config({"train_micro_batch_size_per_gp": 8})
     bad = copy.deepcopy(CLASSIC)
     bad["zero_optimization"]["ofload_optimizer"] = bad["zero_optimization"].pop("offload_optimizer")
-    with pytest.raises(ValueError, match="'ofload_optimizer' in zero_optimization "
-                                         "\\(did you mean 'offload_optimizer'\\?\\)"):
+    with pytest.raises(
+        ValueError,
+        match="'ofload_optimizer' in zero_optimization \\(did you mean 'offload_optimizer'\\?\\)",
+    ):
         validate_ds_config(bad)
 
 
@@ -74,8 +93,18 @@ def test_classic_config_built_for_matching_train_config():
 
 
 def test_config_from_train_config_alone():
-    d = ds_config_for(cfg(strategy="zero1", micro_batch=4, grad_accum=2, precision="bf16",
-                          offload="none", lr=0.01, optimizer="sgd"), dp_size=2)
+    d = ds_config_for(
+        cfg(
+            strategy="zero1",
+            micro_batch=4,
+            grad_accum=2,
+            precision="bf16",
+            offload="none",
+            lr=0.01,
+            optimizer="sgd",
+        ),
+        dp_size=2,
+    )
     assert d["train_micro_batch_size_per_gpu"] == 4
     assert d["gradient_accumulation_steps"] == 2 and d["train_batch_size"] == 16
     assert d["zero_optimization"] == {"stage": 1}
@@ -83,29 +112,44 @@ def test_config_from_train_config_alone():
     assert d["optimizer"] == {"type": "SGD", "params": {"lr": 0.01}}
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(micro_batch=4), "train_micro_batch_size_per_gpu=8.*4"),
-    (dict(strategy="zero1"), "stage=3.*1"),
-    (dict(precision="bf16"), "fp16.*bf16"),
-    (dict(offload="none"), "offload_optimizer.*'none'"),
-    (dict(lr=0.1), "lr=0.001.*0.1"),
-    (dict(optimizer="sgd"), "optimizer type 'Adam'.*sgd"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(micro_batch=4), "train_micro_batch_size_per_gpu=8.*4"),
+        (dict(strategy="zero1"), "stage=3.*1"),
+        (dict(precision="bf16"), "fp16.*bf16"),
+        (dict(offload="none"), "offload_optimizer.*'none'"),
+        (dict(lr=0.1), "lr=0.001.*0.1"),
+        (dict(optimizer="sgd"), "optimizer type 'Adam'.*sgd"),
+    ],
+)
 def test_conflicts_with_train_config_raise(kw, match):
     with pytest.raises(ValueError, match=match):
         ds_config_for(cfg(deepspeed_config=copy.deepcopy(CLASSIC), **kw), dp_size=2)
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(strategy="pipeline", precision="fp32", offload="none",
-          deepspeed_config={"zero_optimization": {"stage": 2}}), "stage 0 or 1"),
-    (dict(strategy="zero2", offload="params"), "parameter offload needs ZeRO stage 3"),
-    (dict(strategy="ddp", offload="optimizer"), "stage 1, 2 or 3"),
-    (dict(deepspeed_config={"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}),
-     "NVMe"),
-    (dict(deepspeed_config={"optimizer": {"type": "Lamb"}}), "compiled ops"),
-    (dict(deepspeed_config={"train_batch_size": 99}), "train_batch_size=99"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (
+            dict(
+                strategy="pipeline",
+                precision="fp32",
+                offload="none",
+                deepspeed_config={"zero_optimization": {"stage": 2}},
+            ),
+            "stage 0 or 1",
+        ),
+        (dict(strategy="zero2", offload="params"), "parameter offload needs ZeRO stage 3"),
+        (dict(strategy="ddp", offload="optimizer"), "stage 1, 2 or 3"),
+        (
+            dict(deepspeed_config={"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}),
+            "NVMe",
+        ),
+        (dict(deepspeed_config={"optimizer": {"type": "Lamb"}}), "compiled ops"),
+        (dict(deepspeed_config={"train_batch_size": 99}), "train_batch_size=99"),
+    ],
+)
 def test_unsupported_combinations_raise(kw, match):
     with pytest.raises(ValueError, match=match):
         ds_config_for(cfg(**kw), dp_size=2)
@@ -118,8 +162,15 @@ def test_params_offload_offloads_optimizer_too():
 
 
 def test_module_import_stays_light():
-    code = ("import sys, nbpar.parallel.ds_config; "
-            "print('torch' in sys.modules, 'deepspeed' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+    code = (
+        "import sys, nbpar.parallel.ds_config; "
+        "print('torch' in sys.modules, 'deepspeed' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=str(__import__("pathlib").Path(__file__).parents[1]),
+    )
     assert out.stdout.split() == ["False", "False"]

@@ -5,6 +5,7 @@ TrainConfig; legacy keys work; schedulers and clipping run and the single-proces
 reference runs them too; fp16 runs where the hardware has it and is refused in one
 line where it does not.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,21 +24,41 @@ pytestmark = pytest.mark.timeout(600)
 CONFIGS = pathlib.Path(__file__).parent / "ds_configs"
 STEPS = 12
 RUNNABLE = {  # file -> what the TrainConfig takes from it
-    "legacy_cpu_offload.json": dict(strategy="zero2", micro_batch=4, grad_accum=2,
-                                    offload="optimizer", optimizer="adamw", lr=5e-4),
-    "huggingface_auto.json": dict(strategy="zero3", micro_batch=8, grad_accum=1,
-                                  offload="params", precision="fp32", optimizer="adamw"),
+    "legacy_cpu_offload.json": dict(
+        strategy="zero2",
+        micro_batch=4,
+        grad_accum=2,
+        offload="optimizer",
+        optimizer="adamw",
+        lr=5e-4,
+    ),
+    "huggingface_auto.json": dict(
+        strategy="zero3",
+        micro_batch=8,
+        grad_accum=1,
+        offload="params",
+        precision="fp32",
+        optimizer="adamw",
+    ),
     "train_batch_size_only.json": dict(strategy="zero1", micro_batch=16, grad_accum=1),
-    "scheduler_and_clipping.json": dict(strategy="zero3", micro_batch=8, grad_clip=0.5,
-                                        lr=2e-3, optimizer="adamw"),
+    "scheduler_and_clipping.json": dict(
+        strategy="zero3", micro_batch=8, grad_clip=0.5, lr=2e-3, optimizer="adamw"
+    ),
 }
 
 
 def reference_of(cfg: nbpar.TrainConfig, world: int) -> nbpar.TrainConfig:
     """The single-process run with the same global batch and update rule."""
     d = cfg.to_dict()
-    d.update(strategy="single", backend="torch", deepspeed_config=None, offload="none",
-             dp=None, micro_batch=cfg.global_batch(world), grad_accum=1)
+    d.update(
+        strategy="single",
+        backend="torch",
+        deepspeed_config=None,
+        offload="none",
+        dp=None,
+        micro_batch=cfg.global_batch(world),
+        grad_accum=1,
+    )
     return nbpar.TrainConfig.from_dict(d)
 
 
@@ -55,44 +76,55 @@ def test_config_file_trains_as_written_and_equals_reference(pool, name):
 
 def test_explicit_settings_fill_auto_and_real_conflicts_are_refused():
     path = str(CONFIGS / "huggingface_auto.json")
-    cfg = nbpar.TrainConfig(deepspeed_config=path, micro_batch=2, grad_accum=3, lr=1e-2,
-                            precision="bf16", grad_clip=1.0).validate(2)
+    cfg = nbpar.TrainConfig(
+        deepspeed_config=path, micro_batch=2, grad_accum=3, lr=1e-2, precision="bf16", grad_clip=1.0
+    ).validate(2)
     from nbpar.parallel.ds_config import ds_config_for
 
     d = ds_config_for(cfg, 2)
-    assert (d["train_micro_batch_size_per_gpu"], d["gradient_accumulation_steps"],
-            d["train_batch_size"]) == (2, 3, 12)
+    assert (
+        d["train_micro_batch_size_per_gpu"],
+        d["gradient_accumulation_steps"],
+        d["train_batch_size"],
+    ) == (2, 3, 12)
     assert d["bf16"]["enabled"] is True and d["fp16"]["enabled"] is False
     assert d["optimizer"]["params"] == {"lr": 1e-2} and d["gradient_clipping"] == 1.0
-    assert d["scheduler"]["params"] == {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
-                                        "warmup_num_steps": 2}
+    assert d["scheduler"]["params"] == {
+        "warmup_min_lr": 0.0,
+        "warmup_max_lr": 1e-2,
+        "warmup_num_steps": 2,
+    }
     assert "reduce_bucket_size" not in d["zero_optimization"]
     with pytest.raises(ValueError, match="stage=2 but the TrainConfig asks for 3"):
-        nbpar.TrainConfig(deepspeed_config=str(CONFIGS / "legacy_cpu_offload.json"),
-                          strategy="zero3").validate(2)
-    with pytest.raises(ValueError, match="train_batch_size=32 is not a multiple of "
-                                         "grad_accum=3 x dp=2"):
-        nbpar.TrainConfig(deepspeed_config=str(CONFIGS / "train_batch_size_only.json"),
-                          grad_accum=3).validate(2)
+        nbpar.TrainConfig(
+            deepspeed_config=str(CONFIGS / "legacy_cpu_offload.json"), strategy="zero3"
+        ).validate(2)
+    with pytest.raises(
+        ValueError, match="train_batch_size=32 is not a multiple of grad_accum=3 x dp=2"
+    ):
+        nbpar.TrainConfig(
+            deepspeed_config=str(CONFIGS / "train_batch_size_only.json"), grad_accum=3
+        ).validate(2)
 
 
 def nbpar_cli(*args, timeout=400):
-    return subprocess.run([sys.executable, "-m", "nbpar", *args], capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "nbpar", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_cli_trains_a_config_file_with_no_other_training_flags(pool):
     path = str(CONFIGS / "scheduler_and_clipping.json")
-    out = nbpar_cli("train", "--backend", "deepspeed", "--deepspeed-config", path,
-                    "--engines", "2", "--json")
+    out = nbpar_cli(
+        "train", "--backend", "deepspeed", "--deepspeed-config", path, "--engines", "2", "--json"
+    )
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["config"]["strategy"] == "zero3" and doc["config"]["grad_clip"] == 0.5
     cfg = nbpar.TrainConfig(deepspeed_config=path).validate(2)
     assert len(doc["losses"]) == cfg.steps == 20
     ref = pool.train(reference_of(cfg, 2)).result()["losses"]
-    torch.testing.assert_close(torch.tensor(doc["losses"]), torch.tensor(ref), atol=1e-5,
-                               rtol=0)
+    torch.testing.assert_close(torch.tensor(doc["losses"]), torch.tensor(ref), atol=1e-5, rtol=0)
 
 
 def test_fp16_config_runs_where_the_cpu_has_fp16_else_one_line_refusal(pool):

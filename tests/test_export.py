@@ -1,4 +1,5 @@
 """TensorBoard event files and the Prometheus endpoint carry the run's numbers."""
+
 from __future__ import annotations
 
 import os
@@ -24,20 +25,28 @@ def test_tensorboard_event_files_per_rank(tmp_path):
         tags = acc.Tags()["scalars"]
         assert "throughput/tokens_per_s" not in tags  # None values are not written
         mine = [r for r in run.history if r["rank"] == rank]
-        for tag, key in (("loss", "loss"), ("memory/param_bytes", "param_bytes"),
-                         ("time/step_s", "step_time_s"), ("time/comm_s", "comm_s")):
+        for tag, key in (
+            ("loss", "loss"),
+            ("memory/param_bytes", "param_bytes"),
+            ("time/step_s", "step_time_s"),
+            ("time/comm_s", "comm_s"),
+        ):
             events = acc.Scalars(tag)
             assert [e.step for e in events] == [0, 1, 2, 3]
             assert [e.value for e in events] == pytest.approx([r[key] for r in mine])
         assert [e.wall_time for e in acc.Scalars("loss")] == pytest.approx(
-            [r["time"] for r in mine])
+            [r["time"] for r in mine]
+        )
 
 
 def _scrape(url: str) -> dict[str, float]:
     with urllib.request.urlopen(url, timeout=5) as resp:
         text = resp.read().decode()
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines() if line.startswith("nbpar_")}
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("nbpar_")
+    }
 
 
 def test_prometheus_serves_gauges_on_loopback_and_closes():
@@ -51,10 +60,12 @@ def test_prometheus_serves_gauges_on_loopback_and_closes():
         assert metrics['nbpar_loss{rank="0"}'] == pytest.approx(last[0]["loss"])
         assert metrics['nbpar_step{rank="1"}'] == 2
         assert metrics['nbpar_memory_bytes{kind="params",rank="1"}'] == 5 * MB
-        assert metrics['nbpar_memory_bytes{kind="other",rank="0"}'] == \
-            last[0]["rss_bytes"] - 16 * MB
+        assert (
+            metrics['nbpar_memory_bytes{kind="other",rank="0"}'] == last[0]["rss_bytes"] - 16 * MB
+        )
         assert metrics['nbpar_comm_fraction{rank="1"}'] == pytest.approx(
-            last[1]["comm_s"] / last[1]["step_time_s"])
+            last[1]["comm_s"] / last[1]["step_time_s"]
+        )
         run.history = history(5)
         exporter.update(run)
         assert _scrape(exporter.url)['nbpar_step{rank="0"}'] == 4

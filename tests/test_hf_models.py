@@ -1,6 +1,7 @@
 """Hugging Face GPT-2 and Llama (random init from a small config, byte-level data):
 every strategy and backend their structure allows equals the single-process
 reference over 20 steps, through `pool.train` on real engines."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,18 +13,28 @@ from nbpar.train.models import build_model
 pytestmark = pytest.mark.timeout(900)
 
 STEPS, SEED = 20, 5
-SMALL = {"hf:llama": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                      "num_attention_heads": 4, "num_key_value_heads": 2},
-         "hf:gpt2": {"n_embd": 32, "n_layer": 2, "n_head": 4}}
+SMALL = {
+    "hf:llama": {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    },
+    "hf:gpt2": {"n_embd": 32, "n_layer": 2, "n_head": 4},
+}
 DATA_PARALLEL = [(s, b) for b in ("torch", "deepspeed") for s in ("ddp", "zero1", "zero2", "zero3")]
 # GPT-2 fuses q/k/v in one Conv1D: no tensor-parallel plan (refused, tested below)
-WHOLE_BATCH = {"hf:llama": [("tp", "torch"), ("pipeline", "torch")],
-               "hf:gpt2": [("pipeline", "torch")]}
+WHOLE_BATCH = {
+    "hf:llama": [("tp", "torch"), ("pipeline", "torch")],
+    "hf:gpt2": [("pipeline", "torch")],
+}
 
 
 def _run(pool, model, **kw):
-    cfg = nbpar.TrainConfig(model=model, model_config=SMALL[model], steps=STEPS, seed=SEED,
-                            lr=3e-3, **kw)
+    cfg = nbpar.TrainConfig(
+        model=model, model_config=SMALL[model], steps=STEPS, seed=SEED, lr=3e-3, **kw
+    )
     return pool.train(cfg).result()
 
 
@@ -33,18 +44,30 @@ def test_every_strategy_and_backend_equals_single(pool, model):
     assert ref[-1] < ref[0] - 0.1, "the reference does not learn: a useless comparison"
     for strategy, backend in DATA_PARALLEL + WHOLE_BATCH[model]:
         whole = strategy in ("tp", "pipeline")
-        got = _run(pool, model, strategy=strategy, backend=backend,
-                   micro_batch=8 if whole else 4, grad_accum=2)["losses"]
-        torch.testing.assert_close(torch.tensor(got), ref, atol=1e-5, rtol=0,
-                                   msg=lambda m: f"{strategy}/{backend} on {model}: {m}")
+        got = _run(
+            pool,
+            model,
+            strategy=strategy,
+            backend=backend,
+            micro_batch=8 if whole else 4,
+            grad_accum=2,
+        )["losses"]
+        torch.testing.assert_close(
+            torch.tensor(got),
+            ref,
+            atol=1e-5,
+            rtol=0,
+            msg=lambda m: f"{strategy}/{backend} on {model}: {m}",
+        )
 
 
 def test_activation_checkpointing_same_losses_less_activation_memory(pool):
     kw = dict(strategy="zero3", micro_batch=8, grad_accum=1)
     plain = _run(pool, "hf:llama", **kw)
     ckpt = _run(pool, "hf:llama", activation_checkpointing=True, **kw)
-    torch.testing.assert_close(torch.tensor(ckpt["losses"]), torch.tensor(plain["losses"]),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(ckpt["losses"]), torch.tensor(plain["losses"]), atol=1e-5, rtol=0
+    )
     for a, b in zip(ckpt["ranks"], plain["ranks"]):
         assert a["activation_bytes"] < 0.8 * b["activation_bytes"], (a, b)
 
@@ -54,10 +77,14 @@ def test_llama_splits_by_its_own_tp_plan():
     cfg = nbpar.TrainConfig(model="hf:llama", model_config=SMALL["hf:llama"])
     plan = build_model(cfg).parallel_plan()
     assert {k: type(v).__name__ for k, v in plan.tp.items()} == {
-        "self_attn.q_proj": "ColwiseParallel", "self_attn.k_proj": "ColwiseParallel",
-        "self_attn.v_proj": "ColwiseParallel", "self_attn.o_proj": "RowwiseParallel",
-        "mlp.gate_proj": "ColwiseParallel", "mlp.up_proj": "ColwiseParallel",
-        "mlp.down_proj": "RowwiseParallel"}
+        "self_attn.q_proj": "ColwiseParallel",
+        "self_attn.k_proj": "ColwiseParallel",
+        "self_attn.v_proj": "ColwiseParallel",
+        "self_attn.o_proj": "RowwiseParallel",
+        "mlp.gate_proj": "ColwiseParallel",
+        "mlp.up_proj": "ColwiseParallel",
+        "mlp.down_proj": "RowwiseParallel",
+    }
     assert plan.tp_widths["number of key/value heads"] == 2
 
 
@@ -67,8 +94,10 @@ def test_forward_equals_transformers_own():
 
     from nbpar.train.hf import hf_config
 
-    for model, cls in (("hf:llama", transformers.LlamaForCausalLM),
-                       ("hf:gpt2", transformers.GPT2LMHeadModel)):
+    for model, cls in (
+        ("hf:llama", transformers.LlamaForCausalLM),
+        ("hf:gpt2", transformers.GPT2LMHeadModel),
+    ):
         cfg = nbpar.TrainConfig(model=model, model_config=SMALL[model], seed=2)
         ours = build_model(cfg)
         with torch.random.fork_rng():
@@ -78,22 +107,43 @@ def test_forward_equals_transformers_own():
         torch.testing.assert_close(ours(x), theirs(input_ids=x).logits)
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(model="hf:gpt2", strategy="tp"), "fuses q, k and v in one Conv1D"),
-    (dict(model="hf:llama", strategy="tp",
-          model_config={**SMALL["hf:llama"], "num_key_value_heads": 1}),
-     r"tp=2 must divide the key/value heads of hf:llama \(1\)"),
-    (dict(model="hf:llama", strategy="pipeline",
-          model_config={**SMALL["hf:llama"], "num_hidden_layers": 1}),
-     "pp=2 pipeline stages need at least 2 layers"),
-    (dict(model="hf:llama", strategy="pipeline", grad_accum=2,
-          model_config={**SMALL["hf:llama"], "tie_word_embeddings": True}),
-     "tied to the head"),
-    (dict(model="hf:llama", model_config={"hidden_sise": 64}), "hidden_sise"),
-    (dict(model="hf:mistral"), "not a known Hugging Face family"),
-    (dict(model="hf:llama", strategy="pipeline", backend="deepspeed"),
-     "DeepSpeed pipeline runs model 'tiny_gpt' only"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(model="hf:gpt2", strategy="tp"), "fuses q, k and v in one Conv1D"),
+        (
+            dict(
+                model="hf:llama",
+                strategy="tp",
+                model_config={**SMALL["hf:llama"], "num_key_value_heads": 1},
+            ),
+            r"tp=2 must divide the key/value heads of hf:llama \(1\)",
+        ),
+        (
+            dict(
+                model="hf:llama",
+                strategy="pipeline",
+                model_config={**SMALL["hf:llama"], "num_hidden_layers": 1},
+            ),
+            "pp=2 pipeline stages need at least 2 layers",
+        ),
+        (
+            dict(
+                model="hf:llama",
+                strategy="pipeline",
+                grad_accum=2,
+                model_config={**SMALL["hf:llama"], "tie_word_embeddings": True},
+            ),
+            "tied to the head",
+        ),
+        (dict(model="hf:llama", model_config={"hidden_sise": 64}), "hidden_sise"),
+        (dict(model="hf:mistral"), "not a known Hugging Face family"),
+        (
+            dict(model="hf:llama", strategy="pipeline", backend="deepspeed"),
+            "DeepSpeed pipeline runs model 'tiny_gpt' only",
+        ),
+    ],
+)
 def test_bad_hf_input_is_one_line(change, message):
     from nbpar.train.probe import check_model
 
@@ -118,8 +168,11 @@ def test_llama_on_the_named_mesh_equals_single(pool):
     """Hybrid (pp=2 of the ("pp", "dp", "tp") mesh) and ZeRO-3 over tensor-parallel
     shards (tp=2) take the same plan; on 2 engines each equals the reference."""
     ref = torch.tensor(_run(pool, "hf:llama", strategy="single", micro_batch=16)["losses"])
-    for kw in (dict(strategy="hybrid", dp=1, tp=1, pp=2, schedule="gpipe"),
-               dict(strategy="zero3", tp=2)):
+    for kw in (
+        dict(strategy="hybrid", dp=1, tp=1, pp=2, schedule="gpipe"),
+        dict(strategy="zero3", tp=2),
+    ):
         got = _run(pool, "hf:llama", micro_batch=8, grad_accum=2, **kw)["losses"]
-        torch.testing.assert_close(torch.tensor(got), ref, atol=1e-5, rtol=0,
-                                   msg=lambda m: f"{kw}: {m}")
+        torch.testing.assert_close(
+            torch.tensor(got), ref, atol=1e-5, rtol=0, msg=lambda m: f"{kw}: {m}"
+        )

@@ -3,6 +3,7 @@
 The reported loss of a step (mean over dp replicas of the pipeline's loss)
 must equal single-process training on the same global batch.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -35,8 +36,10 @@ def _train_hybrid(rank, world, dims, variants, steps):
         losses = []
         for s in range(steps):
             # dp replica j takes slice j of every global micro-batch (like DistributedSampler)
-            mine = [(x[j * MICRO:(j + 1) * MICRO], y[j * MICRO:(j + 1) * MICRO])
-                    for x, y in batches(s, ACCUM, MICRO * dp)]
+            mine = [
+                (x[j * MICRO : (j + 1) * MICRO], y[j * MICRO : (j + 1) * MICRO])
+                for x, y in batches(s, ACCUM, MICRO * dp)
+            ]
             losses.append(runner.train_step(mine).item())
         out[str(variant)] = losses
     return coords, out
@@ -54,8 +57,7 @@ def check_against_single(results, dims, steps):
             for t in same_replica[1:]:
                 torch.testing.assert_close(t, same_replica[0], atol=1e-6, rtol=0)
         got = torch.stack([v[0] for v in per_dp.values()]).mean(0)
-        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0,
-                                   msg=lambda m: f"{variant}: {m}")
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0, msg=lambda m: f"{variant}: {m}")
 
 
 @pytest.mark.timeout(240)
@@ -69,8 +71,9 @@ def test_dp2_pp2_ddp_and_fsdp_match_single():
 @pytest.mark.timeout(240)
 def test_pp2_tp2_interleaved_matches_single():
     dims, steps = dict(pp=2, tp=2), 20
-    results = run_distributed(_train_hybrid, 4, dims, [dict(schedule="interleaved")], steps,
-                              timeout=230)
+    results = run_distributed(
+        _train_hybrid, 4, dims, [dict(schedule="interleaved")], steps, timeout=230
+    )
     check_against_single(results, dims, steps)
 
 
@@ -79,14 +82,16 @@ def test_3d_dp2_tp2_pp2_fsdp_matches_single():
     # 8 processes on a 2-core machine: 6 steps keep it near a minute; FSDP2 (ZeRO-2)
     # on tensor-parallel stages is the torchtitan 3-D recipe
     dims, steps = dict(dp=2, tp=2, pp=2), 6
-    results = run_distributed(_train_hybrid, 8, dims, [dict(schedule="1f1b", fsdp_reshard=False)],
-                              steps, timeout=230)
+    results = run_distributed(
+        _train_hybrid, 8, dims, [dict(schedule="1f1b", fsdp_reshard=False)], steps, timeout=230
+    )
     check_against_single(results, dims, steps)
 
 
 @pytest.mark.timeout(240)
 def test_deepspeed_dp2_pp2_matches_single():
     dims, steps = dict(dp=2, pp=2), 6
-    results = run_distributed(_train_hybrid, 4, dims, [dict(backend="deepspeed")], steps,
-                              timeout=230)
+    results = run_distributed(
+        _train_hybrid, 4, dims, [dict(backend="deepspeed")], steps, timeout=230
+    )
     check_against_single(results, dims, steps)

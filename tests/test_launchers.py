@@ -1,4 +1,5 @@
 """Launchers: a real MPI pool, clear errors before anything starts, env on engines, gpu_check."""
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,7 @@ from nbpar.pool import launchers
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NCCL_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"}
-MPI_MISSING = (shutil.which("mpiexec") is None or launchers.find_spec("mpi4py") is None)
+MPI_MISSING = shutil.which("mpiexec") is None or launchers.find_spec("mpi4py") is None
 
 
 def _children() -> set[int]:
@@ -25,19 +26,25 @@ def _children() -> set[int]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.skipif(MPI_MISSING, reason="MPI not installed: run "
-                    "`sh scripts/install_mpi.sh .venv/bin/python` (OpenMPI + mpi4py)")
+@pytest.mark.skipif(
+    MPI_MISSING,
+    reason="MPI not installed: run `sh scripts/install_mpi.sh .venv/bin/python` (OpenMPI + mpi4py)",
+)
 def test_mpi_pool_ranks_are_mpi_ranks_and_restart_keeps_them():
     pool = nbpar.Pool(2, launcher="mpi", replace=False, start_timeout=120)
     try:
         assert pool.launcher == "mpi" and pool._engine_ids == [0, 1]
-        res = pool.execute("import torch, torch.distributed as dist\n"
-                           "t = torch.ones(1) * (dist.get_rank() + 1)\ndist.all_reduce(t)\n"
-                           "print(t.item(), mpi_rank, mpi_size)")
+        res = pool.execute(
+            "import torch, torch.distributed as dist\n"
+            "t = torch.ones(1) * (dist.get_rank() + 1)\ndist.all_reduce(t)\n"
+            "print(t.item(), mpi_rank, mpi_size)"
+        )
         assert res.text() == "[rank 0] 3.0 0 2\n[rank 1] 3.0 1 2"
         if os.geteuid() == 0:
-            assert pool.run(lambda: __import__("os").environ.get("OMPI_ALLOW_RUN_AS_ROOT")) \
-                == ["1", "1"]
+            assert pool.run(lambda: __import__("os").environ.get("OMPI_ALLOW_RUN_AS_ROOT")) == [
+                "1",
+                "1",
+            ]
         old = [e["pid"] for e in pool.engines]
         pool.restart()  # MPI engines ask for their rank as id again: ids 0, 1 come back
         assert pool._engine_ids == [0, 1]
@@ -50,8 +57,11 @@ def test_mpi_pool_ranks_are_mpi_ranks_and_restart_keeps_them():
 def test_mpi_without_mpiexec_names_the_fix(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty PATH: no mpiexec, no sbatch
     before = _children()
-    with pytest.raises(ValueError, match=r"launcher='mpi' needs `mpiexec`.*apt-get install "
-                                         r"openmpi-bin.*pip install mpi4py"):
+    with pytest.raises(
+        ValueError,
+        match=r"launcher='mpi' needs `mpiexec`.*apt-get install "
+        r"openmpi-bin.*pip install mpi4py",
+    ):
         nbpar.Pool(2, launcher="mpi")
     assert _children() <= before
 
@@ -62,19 +72,24 @@ def test_mpi_without_mpi4py_names_the_fix(monkeypatch, tmp_path):
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     real = launchers.find_spec
-    monkeypatch.setattr(launchers, "find_spec",
-                        lambda name: None if name == "mpi4py" else real(name))
+    monkeypatch.setattr(
+        launchers, "find_spec", lambda name: None if name == "mpi4py" else real(name)
+    )
     with pytest.raises(ValueError, match=r"needs mpi4py.*-m pip install mpi4py"):
         nbpar.Pool(2, launcher="mpi")
 
 
-@pytest.mark.parametrize("launcher, tool, fix", [
-    ("slurm", "sbatch", "Slurm cluster.*Pool.connect"),
-    ("ssh", "ssh", "ssh client"),
-    ("pbs", "qsub", "PBS"),
-])
-def test_batch_launcher_outside_its_cluster_fails_before_starting(monkeypatch, tmp_path,
-                                                                  launcher, tool, fix):
+@pytest.mark.parametrize(
+    "launcher, tool, fix",
+    [
+        ("slurm", "sbatch", "Slurm cluster.*Pool.connect"),
+        ("ssh", "ssh", "ssh client"),
+        ("pbs", "qsub", "PBS"),
+    ],
+)
+def test_batch_launcher_outside_its_cluster_fails_before_starting(
+    monkeypatch, tmp_path, launcher, tool, fix
+):
     monkeypatch.setenv("PATH", str(tmp_path))
     before = _children()
     with pytest.raises(ValueError, match=rf"launcher='{launcher}' needs `{tool}`.*{fix}"):
@@ -90,12 +105,13 @@ def test_launcher_options_reach_ipyparallel():
     cfg = Config()
     cfg.SlurmLauncher.account = "proj42"
     cfg.SlurmEngineSetLauncher.batch_template = (
-        "#!/bin/sh\n#SBATCH --account={account}\n#SBATCH --ntasks={n}\n"
-        "srun {program_and_args}\n")
+        "#!/bin/sh\n#SBATCH --account={account}\n#SBATCH --ntasks={n}\nsrun {program_and_args}\n"
+    )
     cluster = ipp.Cluster(n=16, engines="slurm", config=cfg, log_level=40)
     launchers.configure(cluster, "slurm", 16, {"NCCL_IB_DISABLE": "1"})
-    es = cluster.engine_launcher_class(parent=cluster, profile_dir=str(ROOT / ".tmp"),
-                                       cluster_id="t", n=16)
+    es = cluster.engine_launcher_class(
+        parent=cluster, profile_dir=str(ROOT / ".tmp"), cluster_id="t", n=16
+    )
     es.n = 16
     es.write_batch_script(16)
     script = pathlib.Path(es.batch_file).read_text()
@@ -115,8 +131,12 @@ def test_mpi_launch_settings_are_configurable():
     assert (env.get("OMPI_ALLOW_RUN_AS_ROOT") == "1") == (os.geteuid() == 0)
     from traitlets.config import Config
 
-    mine = ipp.Cluster(n=4, engines="mpi", log_level=40,
-                       config=Config({"MPIEngineSetLauncher": {"mpi_args": ["--hostfile", "h"]}}))
+    mine = ipp.Cluster(
+        n=4,
+        engines="mpi",
+        log_level=40,
+        config=Config({"MPIEngineSetLauncher": {"mpi_args": ["--hostfile", "h"]}}),
+    )
     launchers.configure(mine, "mpi", 4, {})
     assert mine.config.MPIEngineSetLauncher.mpi_args == ["--hostfile", "h"]
 
@@ -124,9 +144,12 @@ def test_mpi_launch_settings_are_configurable():
 def test_more_gpu_engines_than_gpus_is_an_error():
     n = device.accelerator_count() + 1
     before = _children()
-    with pytest.raises(ValueError, match=rf"{n} GPU engines asked for but this machine has "
-                                         rf"{n - 1} GPU\(s\): use Pool\({n - 1}\) or "
-                                         r"backend='gloo'"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{n} GPU engines asked for but this machine has "
+        rf"{n - 1} GPU\(s\): use Pool\({n - 1}\) or "
+        r"backend='gloo'",
+    ):
         nbpar.Pool(n, backend="nccl")
     assert _children() <= before
 
@@ -134,8 +157,9 @@ def test_more_gpu_engines_than_gpus_is_an_error():
 @pytest.mark.timeout(180)
 def test_env_reaches_engines_status_and_html():
     with nbpar.Pool(2, env=NCCL_ENV, replace=False) as pool:
-        seen = pool.run(lambda keys: {k: __import__("os").environ.get(k) for k in keys},
-                        list(NCCL_ENV))
+        seen = pool.run(
+            lambda keys: {k: __import__("os").environ.get(k) for k in keys}, list(NCCL_ENV)
+        )
         assert seen == [NCCL_ENV, NCCL_ENV]
         assert [r["env"] for r in pool.status()] == [NCCL_ENV, NCCL_ENV]
         html = pool._repr_html_()
@@ -152,8 +176,13 @@ def test_peak_flops_table():
 
 
 def _gpu_check(*args, timeout=150):
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
 
 
 def test_gpu_check_help():

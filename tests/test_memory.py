@@ -1,4 +1,5 @@
 """Analytic memory estimator: the ZeRO paper's numbers, model-parallel division, activations."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,8 +25,7 @@ ACT = dict(batch=2, seq_len=8, hidden=16, layers=4, heads=4)
 
 def test_classic_table_13b_fp32_adam():
     est = estimate_memory(13e9)
-    assert est.per_rank_bytes == {"params": 52e9, "grads": 52e9, "optim": 104e9,
-                                  "total": 208e9}
+    assert est.per_rank_bytes == {"params": 52e9, "grads": 52e9, "optim": 104e9, "total": 208e9}
     table = est.table()
     for line in ("params 52.0 GB", "grads  52.0 GB", "optim  104.0 GB", "total  208.0 GB"):
         assert line in table
@@ -56,15 +56,25 @@ def test_zero_stage_formulas(params, dp, precision, p, g, k):
         return estimate_memory(params, dp, strategy, precision=precision).per_rank_bytes
 
     assert get("ddp") == pytest.approx(
-        {"params": p * params, "grads": g * params, "optim": k * params,
-         "total": (p + g + k) * params})
+        {
+            "params": p * params,
+            "grads": g * params,
+            "optim": k * params,
+            "total": (p + g + k) * params,
+        }
+    )
     assert get("zero1")["optim"] == pytest.approx(k * params / dp)
     assert get("zero1")["grads"] == pytest.approx(g * params)
     assert get("zero2")["grads"] == pytest.approx(g * params / dp)
     assert get("zero2")["params"] == pytest.approx(p * params)
     assert get("zero3") == pytest.approx(
-        {"params": p * params / dp, "grads": g * params / dp, "optim": k * params / dp,
-         "total": (p + g + k) * params / dp})
+        {
+            "params": p * params / dp,
+            "grads": g * params / dp,
+            "optim": k * params / dp,
+            "total": (p + g + k) * params / dp,
+        }
+    )
 
 
 def test_degree_defaults_follow_the_cli():
@@ -89,7 +99,8 @@ def test_hybrid_divides_by_model_parallel_then_replicates_over_dp():
     est = estimate_memory(8e9, 8, "hybrid", dp=2, tp=2, pp=2, precision="mixed")
     psi = 8e9 / 4
     assert est.per_rank_bytes == pytest.approx(
-        {"params": 2 * psi, "grads": 2 * psi, "optim": 12 * psi, "total": 16 * psi})
+        {"params": 2 * psi, "grads": 2 * psi, "optim": 12 * psi, "total": 16 * psi}
+    )
     assert (est.dp, est.tp, est.pp, est.zero_stage) == (2, 2, 2, 0)
     fsdp_tp = estimate_memory(8e9, 8, "zero3", dp=4, tp=2, precision="mixed")
     assert fsdp_tp.per_rank_bytes["total"] == pytest.approx(16 * 8e9 / 2 / 4)
@@ -121,8 +132,9 @@ def test_activation_formula_hand_computed():
     est = estimate_memory(1e6, precision="mixed", activations=ACT).per_rank_bytes
     assert est["activations"] == 4 * 11264
     assert est["total"] == pytest.approx(16e6 + 4 * 11264)
-    staged = estimate_memory(1e6, 4, "hybrid", tp=2, pp=2, precision="bf16",
-                             activations=dict(ACT, in_flight=2)).per_rank_bytes
+    staged = estimate_memory(
+        1e6, 4, "hybrid", tp=2, pp=2, precision="bf16", activations=dict(ACT, in_flight=2)
+    ).per_rank_bytes
     assert staged["activations"] == 2 * (11264 / 2) * 2  # 2 layers/stage, /tp, 2 in flight
     fp32 = estimate_memory(1e6, activations=ACT).per_rank_bytes
     assert fp32["activations"] == 4 * 256 * 84
@@ -134,8 +146,7 @@ def test_to_json_shape_and_serialisable():
     assert out["strategy"] == "zero3" and (out["dp"], out["tp"], out["pp"]) == (64, 1, 1)
     assert json.loads(json.dumps(out)) == out
     with_act = estimate_memory(1e6, activations=ACT).to_json()
-    assert set(with_act["per_rank_bytes"]) == {"params", "grads", "optim", "activations",
-                                               "total"}
+    assert set(with_act["per_rank_bytes"]) == {"params", "grads", "optim", "activations", "total"}
 
 
 def test_reprs_are_cheap_and_informative():
@@ -149,17 +160,23 @@ def test_reprs_are_cheap_and_informative():
 
 
 def test_import_is_light():
-    code = ("import sys, nbpar.estimate; "
-            "assert 'torch' not in sys.modules and 'matplotlib' not in sys.modules")
+    code = (
+        "import sys, nbpar.estimate; "
+        "assert 'torch' not in sys.modules and 'matplotlib' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 BAD = [
-    (dict(params=0), "params"), (dict(params=-1), "params"), (dict(params=math.nan), "params"),
-    (dict(params="1e9"), "params"), (dict(params=True), "params"),
-    (dict(params=1e9, world_size=0), "world_size"), (dict(params=1e9, world_size=2.0),
-                                                     "world_size"),
-    (dict(params=1e9, world_size=4, dp=1.5), "dp"), (dict(params=1e9, world_size=4, tp=0), "tp"),
+    (dict(params=0), "params"),
+    (dict(params=-1), "params"),
+    (dict(params=math.nan), "params"),
+    (dict(params="1e9"), "params"),
+    (dict(params=True), "params"),
+    (dict(params=1e9, world_size=0), "world_size"),
+    (dict(params=1e9, world_size=2.0), "world_size"),
+    (dict(params=1e9, world_size=4, dp=1.5), "dp"),
+    (dict(params=1e9, world_size=4, tp=0), "tp"),
     (dict(params=1e9, world_size=4, strategy="zero3", tp=3), "divisible"),
     (dict(params=1e9, world_size=4, strategy="hybrid"), "hybrid"),
     (dict(params=1e9, world_size=4, strategy="hybrid", dp=2, tp=1), "must equal"),
@@ -208,9 +225,14 @@ def test_compare_math():
 def test_plot_bars_equal_the_numbers():
     from matplotlib.figure import Figure
 
-    est = estimate_memory(1e9, 4, "zero2", precision="mixed", offload="optimizer",
-                          activations=dict(batch=4, seq_len=1024, hidden=2048, layers=8,
-                                           heads=16))
+    est = estimate_memory(
+        1e9,
+        4,
+        "zero2",
+        precision="mixed",
+        offload="optimizer",
+        activations=dict(batch=4, seq_len=1024, hidden=2048, layers=8, heads=16),
+    )
     fig = est.plot()
     assert isinstance(fig, Figure)
     ax = fig.axes[0]
@@ -219,8 +241,9 @@ def test_plot_bars_equal_the_numbers():
     assert heights == pytest.approx(parts + [est.per_rank_bytes["host"] / GB])
     device = [p for p in ax.patches if p.get_x() < 0.5]
     assert sum(p.get_height() for p in device) == pytest.approx(est.per_rank_bytes["total"] / GB)
-    assert [p.get_y() for p in device] == pytest.approx([0, parts[0], sum(parts[:2]),
-                                                         sum(parts[:3])])
+    assert [p.get_y() for p in device] == pytest.approx(
+        [0, parts[0], sum(parts[:2]), sum(parts[:3])]
+    )
     fig.savefig(io.BytesIO(), format="png")  # renders without pyplot
     other = Figure().add_subplot()
     assert est.plot(ax=other) is other.figure
@@ -237,8 +260,10 @@ def test_backend_models_what_implementations_hold_between_steps():
     ds1 = estimate_memory(P, N, "zero1", backend="deepspeed").per_rank_bytes
     assert ds1["grads"] == 4 * P / N  # reduced into this rank's partition
     assert ds1["optim"] == (8 + 4) * P / N  # Adam states + fp32 master partition
-    assert estimate_memory(P, N, "ddp", backend="deepspeed").per_rank_bytes == \
-        estimate_memory(P, N, "ddp").per_rank_bytes
+    assert (
+        estimate_memory(P, N, "ddp", backend="deepspeed").per_rank_bytes
+        == estimate_memory(P, N, "ddp").per_rank_bytes
+    )
     mixed = estimate_memory(P, N, "zero1", precision="mixed", backend="deepspeed")
     assert mixed.per_rank_bytes["optim"] == 12 * P / N  # master already in K=12
     with pytest.raises(ValueError, match="backend must be"):
@@ -255,8 +280,12 @@ def test_tensor_parallel_estimate_counts_what_the_plan_leaves_whole():
     n = sum(p.numel() for p in model.parameters())
     whole = tp_replicated_parameters(model)
     g = nbpar.GPTConfig()
-    blocks = g.n_layers * (4 * g.d_model * g.d_model + 3 * g.d_model  # q, k, v, out (+qkv bias)
-                           + 2 * g.ffn_mult * g.d_model * g.d_model + g.ffn_mult * g.d_model)
+    blocks = g.n_layers * (
+        4 * g.d_model * g.d_model
+        + 3 * g.d_model  # q, k, v, out (+qkv bias)
+        + 2 * g.ffn_mult * g.d_model * g.d_model
+        + g.ffn_mult * g.d_model
+    )
     assert n - whole == blocks  # only the blocks' split weights (and colwise biases) shard
     est = estimate_memory(n, 2, "tp", tp_replicated=whole)
     assert est.per_rank_bytes["params"] == 4 * ((n - whole) / 2 + whole)
@@ -270,12 +299,19 @@ def test_activation_recomputation_keeps_only_layer_inputs():
 
     spec = dict(batch=1, seq_len=2048, hidden=12288, layers=96, heads=96)
     full = estimate_memory(175e9, 8, "tp", tp=8, precision="mixed", activations=spec)
-    rec = estimate_memory(175e9, 8, "tp", tp=8, precision="mixed",
-                          activations={**spec, "recompute": True})
+    rec = estimate_memory(
+        175e9, 8, "tp", tp=8, precision="mixed", activations={**spec, "recompute": True}
+    )
     per_layer = activation_bytes_per_layer(1, 2048, 12288, 96, tp=8)
     layer_input = 2048 * 12288 * 2 / 8  # 16-bit, split over t by sequence parallelism
     assert full.per_rank_bytes["activations"] == pytest.approx(96 * per_layer)
     assert rec.per_rank_bytes["activations"] == pytest.approx(96 * layer_input + per_layer)
-    no_sp = estimate_memory(175e9, 8, "tp", tp=8, precision="mixed",
-                            activations={**spec, "recompute": True, "sequence_parallel": False})
+    no_sp = estimate_memory(
+        175e9,
+        8,
+        "tp",
+        tp=8,
+        precision="mixed",
+        activations={**spec, "recompute": True, "sequence_parallel": False},
+    )
     assert no_sp.per_rank_bytes["activations"] > rec.per_rank_bytes["activations"]

@@ -3,6 +3,7 @@
 Each run builds a model, a strategy (DDP reducer, DeepSpeed engine), DeviceMesh
 sub-groups and a loader; all of it must be released when the run ends.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -35,18 +36,19 @@ def _assert_flat(rows, what):
         assert growth < MAX_GROWTH, (
             f"{what}: rank {rank} RSS grew {growth:.1%} from run 2 to run {RUNS} "
             f"({a / 2**20:.1f} -> {b / 2**20:.1f} MiB); per run: "
-            f"{[round(r[rank] / 2**20, 1) for r in rows]}")
+            f"{[round(r[rank] / 2**20, 1) for r in rows]}"
+        )
 
 
 @pytest.mark.timeout(300)
 def test_ddp_runs_return_their_memory(pool):
-    cfg = nbpar.TrainConfig(model="tiny_gpt", gpt=GPT, strategy="ddp", micro_batch=4,
-                            steps=5)
+    cfg = nbpar.TrainConfig(model="tiny_gpt", gpt=GPT, strategy="ddp", micro_batch=4, steps=5)
     _assert_flat(_rss_after_each_run(pool, cfg), "ddp")
 
 
 @pytest.mark.timeout(300)
 def test_deepspeed_runs_return_their_memory(pool):
-    cfg = nbpar.TrainConfig(model="tiny_gpt", gpt=GPT, strategy="zero2", backend="deepspeed",
-                            micro_batch=4, steps=5)
+    cfg = nbpar.TrainConfig(
+        model="tiny_gpt", gpt=GPT, strategy="zero2", backend="deepspeed", micro_batch=4, steps=5
+    )
     _assert_flat(_rss_after_each_run(pool, cfg), "deepspeed zero2")

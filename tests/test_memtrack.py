@@ -1,6 +1,7 @@
 """Memory a step really holds (nbpar.train.memtrack): exact on a model small enough to
 count by hand, and per run on the engines, so a strategy with half the model states
 reports a lower peak than the run before it."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,8 +16,9 @@ from nbpar.train.memtrack import StepMemory
 def test_activations_and_peak_counted_by_hand():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1000, 500), nn.Linear(500, 10))
-    runner = StepRunner(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                        lambda out, y: out.sum())
+    runner = StepRunner(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), lambda out, y: out.sum()
+    )
     x = torch.randn(64, 1000)
     with StepMemory(runner) as mem:
         runner.train_step([(x, None)])
@@ -49,13 +51,16 @@ def test_peaks_are_per_run_and_follow_the_model_states(pool):
     gpt = nbpar.GPTConfig(d_model=128, n_layers=4)
 
     def run(strategy):
-        res = pool.train(nbpar.TrainConfig(strategy=strategy, gpt=gpt, micro_batch=4,
-                                           steps=3)).result()
+        res = pool.train(
+            nbpar.TrainConfig(strategy=strategy, gpt=gpt, micro_batch=4, steps=3)
+        ).result()
         return res["ranks"][0]
 
     ddp, zero3, ddp_again = run("ddp"), run("zero3"), run("ddp")
-    states = {k: r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"]
-              for k, r in (("ddp", ddp), ("zero3", zero3))}
+    states = {
+        k: r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"]
+        for k, r in (("ddp", ddp), ("zero3", zero3))
+    }
     assert states["zero3"] == pytest.approx(states["ddp"] / 2, rel=0.01)
     assert zero3["peak_bytes"] < ddp["peak_bytes"]  # not the process's lifetime maximum
     assert ddp_again["peak_bytes"] == pytest.approx(ddp["peak_bytes"], rel=0.01)

@@ -1,4 +1,5 @@
 """Model shapes, seed determinism and pipeline-style stage cutting."""
+
 import torch
 
 from nbpar.config import GPTConfig, TrainConfig

@@ -7,6 +7,7 @@ must go to engine 0's namespace address, exactly as across real hosts. Nothing
 outside that bridge is contacted; namespaces, links and processes are removed
 by a finalizer whatever happens.
 """
+
 from __future__ import annotations
 
 import os
@@ -64,21 +65,32 @@ class Hosts:
 
         from nbpar.pool.pool import CONTROLLER_ARGS
 
-        self.cluster = ipp.Cluster(n=0, controller_ip=HOST_IP, log_level=40,
-                                   controller_args=list(CONTROLLER_ARGS))
+        self.cluster = ipp.Cluster(
+            n=0, controller_ip=HOST_IP, log_level=40, controller_args=list(CONTROLLER_ARGS)
+        )
         self.cluster.start_controller_sync()
         return self.cluster
 
     def start_engine(self, i: int, log_dir) -> None:
         """`ip netns exec` + a UTS namespace: engine i on fake host nbphost<i>."""
-        cfile = os.path.join(self.cluster.profile_dir, "security",
-                             f"ipcontroller-{self.cluster.cluster_id}-engine.json")
-        engine = (f"hostname nbphost{i} && exec {sys.executable} -m nbpar.pool.engine "
-                  f"--file={cfile} --IPEngine.id={i} --log-level=40")
+        cfile = os.path.join(
+            self.cluster.profile_dir,
+            "security",
+            f"ipcontroller-{self.cluster.cluster_id}-engine.json",
+        )
+        engine = (
+            f"hostname nbphost{i} && exec {sys.executable} -m nbpar.pool.engine "
+            f"--file={cfile} --IPEngine.id={i} --log-level=40"
+        )
         with open(os.path.join(log_dir, f"engine{i}.log"), "ab") as log:
-            self.procs.append(subprocess.Popen(
-                ["ip", "netns", "exec", self.names[i], "unshare", "--uts", "sh", "-c", engine],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            self.procs.append(
+                subprocess.Popen(
+                    ["ip", "netns", "exec", self.names[i], "unshare", "--uts", "sh", "-c", engine],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
 
     def wait_for_engines(self, n: int, timeout: float = 90) -> None:
         client = self.cluster.connect_client_sync()
@@ -138,8 +150,13 @@ def _children_except(h) -> set[int]:
 
 
 def _connect(h, **kwargs):
-    return nbpar.Pool.connect(profile_dir=h.cluster.profile_dir, cluster_id=h.cluster.cluster_id,
-                              n=2, env={"GLOO_SOCKET_IFNAME": IFNAME}, **kwargs)
+    return nbpar.Pool.connect(
+        profile_dir=h.cluster.profile_dir,
+        cluster_id=h.cluster.cluster_id,
+        n=2,
+        env={"GLOO_SOCKET_IFNAME": IFNAME},
+        **kwargs,
+    )
 
 
 def test_engines_on_two_hosts_rendezvous_on_engine_0_and_all_reduce(hosts):
@@ -151,11 +168,14 @@ def test_engines_on_two_hosts_rendezvous_on_engine_0_and_all_reduce(hosts):
         assert [e["host"] for e in pool.engines] == ["nbphost0", "nbphost1"]
         assert [e["local_rank"] for e in pool.engines] == [0, 0]
         seen = pool.run(
-            lambda: __import__("nbpar.pool.worker").pool.worker.routable_address("10.213.7.1"))
+            lambda: __import__("nbpar.pool.worker").pool.worker.routable_address("10.213.7.1")
+        )
         assert seen == [Hosts.addr(0), Hosts.addr(1)]
-        res = pool.execute("import torch, torch.distributed as dist\n"
-                           "t = torch.arange(4.0) * (dist.get_rank() + 1)\ndist.all_reduce(t)\n"
-                           "print(t.tolist())")
+        res = pool.execute(
+            "import torch, torch.distributed as dist\n"
+            "t = torch.arange(4.0) * (dist.get_rank() + 1)\ndist.all_reduce(t)\n"
+            "print(t.tolist())"
+        )
         assert res.text() == "[rank 0] [0.0, 3.0, 6.0, 9.0]\n[rank 1] [0.0, 3.0, 6.0, 9.0]"
         assert [r["host"] for r in pool.status()] == ["nbphost0", "nbphost1"]
     finally:

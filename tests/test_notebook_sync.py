@@ -6,6 +6,7 @@ start no kernel: every source parses as Python, is exactly what jupytext writes 
 notebook, and has the notebook's cells (type, source, tags), so an edit made on one side
 only fails here instead of being lost at the next sync.
 """
+
 from __future__ import annotations
 
 import ast
@@ -35,8 +36,11 @@ def mismatches(notebook: pathlib.Path) -> list[str]:
     """How a notebook and its source differ, one line per cell (empty when in step)."""
     ours = cells(nbformat.read(notebook, as_version=4))
     theirs = cells(jupytext.read(source_of(notebook)))
-    found = [f"cell {i}: notebook {a!r} != source {b!r}"
-             for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
+    found = [
+        f"cell {i}: notebook {a!r} != source {b!r}"
+        for i, (a, b) in enumerate(zip(ours, theirs))
+        if a != b
+    ]
     if len(ours) != len(theirs):
         found.append(f"{len(ours)} cells in the notebook, {len(theirs)} in the source")
     return found
@@ -66,7 +70,8 @@ def test_notebook_is_paired_and_has_a_kernel(notebook):
 def test_source_cells_equal_notebook_cells(notebook):
     assert mismatches(notebook) == [], (
         f"{notebook.name} and src/{notebook.stem}.py differ; run `make notebooks` "
-        "(jupytext --sync keeps the side edited last)")
+        "(jupytext --sync keeps the side edited last)"
+    )
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
@@ -93,8 +98,9 @@ def _copy(notebook: pathlib.Path, root: pathlib.Path) -> pathlib.Path:
 def test_check_fails_on_an_edited_source(tmp_path):
     copy = _copy(NOTEBOOKS[0], tmp_path)
     text = source_of(copy).read_text(encoding="utf-8")
-    source_of(copy).write_text(text.replace("import nbpar\n", "import nbpar  # edited\n", 1),
-                               encoding="utf-8")
+    source_of(copy).write_text(
+        text.replace("import nbpar\n", "import nbpar  # edited\n", 1), encoding="utf-8"
+    )
     found = mismatches(copy)
     assert len(found) == 1 and "# edited" in found[0], found
 

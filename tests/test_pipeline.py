@@ -3,6 +3,7 @@
 Every schedule must give, step by step, the loss of single-process training
 of the full model on the same global batch with gradient accumulation.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -36,8 +37,9 @@ def _train_schedules(rank, world):
     mesh = build_mesh(world, pp=world)
     out = {}
     for schedule in ("gpipe", "1f1b", "interleaved"):
-        runner = pipeline.build_runner(make_model(), make_cfg(schedule=schedule), mesh,
-                                       loss_fn=lm_loss)
+        runner = pipeline.build_runner(
+            make_model(), make_cfg(schedule=schedule), mesh, loss_fn=lm_loss
+        )
         with pytest.raises(ValueError, match="expected 4 micro-batches"):
             runner.train_step(batches(0)[:2])
         losses, keys_ok = [], True
@@ -45,12 +47,16 @@ def _train_schedules(rank, world):
             losses.append(runner.train_step(batches(s)).item())
             keys = sorted((e["stage"], e["microbatch"], e["kind"]) for e in runner.timeline())
             n_stages = world * (2 if schedule == "interleaved" else 1)
-            keys_ok &= keys == sorted((st, mb, k) for st in range(n_stages)
-                                      for mb in range(ACCUM) for k in "FB")
-        out[schedule] = dict(losses=losses, keys_ok=keys_ok, timeline=runner.timeline(),
-                             bubble=runner.bubble_fraction())
-    runner = pipeline.build_runner(make_model(), make_cfg(precision="bf16"), mesh,
-                                   loss_fn=lm_loss)
+            keys_ok &= keys == sorted(
+                (st, mb, k) for st in range(n_stages) for mb in range(ACCUM) for k in "FB"
+            )
+        out[schedule] = dict(
+            losses=losses,
+            keys_ok=keys_ok,
+            timeline=runner.timeline(),
+            bubble=runner.bubble_fraction(),
+        )
+    runner = pipeline.build_runner(make_model(), make_cfg(precision="bf16"), mesh, loss_fn=lm_loss)
     out["bf16"] = [runner.train_step(batches(s)).item() for s in range(3)]
     return out
 
@@ -101,8 +107,10 @@ def test_theory_bubble_and_measured_bubble():
     assert theory_bubble(2, 4) == pytest.approx(0.2)
     assert theory_bubble(4, 4) == pytest.approx(3 / 7)
     assert theory_bubble(1, 8) == 0.0
-    events = [dict(stage=0, microbatch=0, kind="F", start=0.0, end=1.0),
-              dict(stage=1, microbatch=0, kind="F", start=1.0, end=2.0)]
+    events = [
+        dict(stage=0, microbatch=0, kind="F", start=0.0, end=1.0),
+        dict(stage=1, microbatch=0, kind="F", start=1.0, end=2.0),
+    ]
     assert bubble_fraction(events, 2) == pytest.approx(0.5)
     assert theory_bubble(2, 4, v=2) == pytest.approx(1 / 9)
     with pytest.raises(ValueError, match="p, m and v"):
@@ -118,15 +126,13 @@ def _gpipe_events(p: int, m: int, f: list[float], b: list[float], gap: float = 0
         for s in range(p):
             start = max(free[s], done.get(("F", s - 1, mb), -gap) + gap)
             done[("F", s, mb)] = free[s] = start + f[s]
-            events.append(dict(stage=s, rank=s, microbatch=mb, kind="F", start=start,
-                               end=free[s]))
+            events.append(dict(stage=s, rank=s, microbatch=mb, kind="F", start=start, end=free[s]))
     for mb in range(m):
         for s in reversed(range(p)):
             dep = done[("F", s, mb)] if s == p - 1 else done[("B", s + 1, mb)] + gap
             start = max(free[s], dep)
             done[("B", s, mb)] = free[s] = start + b[s]
-            events.append(dict(stage=s, rank=s, microbatch=mb, kind="B", start=start,
-                               end=free[s]))
+            events.append(dict(stage=s, rank=s, microbatch=mb, kind="B", start=start, end=free[s]))
     return events
 
 
@@ -141,8 +147,13 @@ def test_schedule_bubble_replays_the_measured_boxes():
     assert schedule_bubble(slow_last, 2) == pytest.approx(bubble_fraction(slow_last, 2))
     assert schedule_bubble(slow_last, 2) > theory_bubble(2, 4) + 0.1
     with pytest.raises(ValueError, match="cannot be replayed"):
-        schedule_bubble([dict(stage=0, rank=0, microbatch=0, kind="B", start=0, end=1),
-                         dict(stage=1, rank=1, microbatch=1, kind="F", start=0, end=1)], 2)
+        schedule_bubble(
+            [
+                dict(stage=0, rank=0, microbatch=0, kind="B", start=0, end=1),
+                dict(stage=1, rank=1, microbatch=1, kind="F", start=0, end=1),
+            ],
+            2,
+        )
 
 
 def test_bubble_where_compute_dominates_is_the_schedules(pool):
@@ -156,9 +167,17 @@ def test_bubble_where_compute_dominates_is_the_schedules(pool):
     for m in (2, 4, 8):
         seen = []
         for _ in range(3):
-            res = pool.train(nbpar.TrainConfig(model="tiny_gpt", strategy="pipeline",
-                                               schedule="gpipe", micro_batch=2, grad_accum=m,
-                                               steps=3, gpt=gpt)).result()  # last unmetered
+            res = pool.train(
+                nbpar.TrainConfig(
+                    model="tiny_gpt",
+                    strategy="pipeline",
+                    schedule="gpipe",
+                    micro_batch=2,
+                    grad_accum=m,
+                    steps=3,
+                    gpt=gpt,
+                )
+            ).result()  # last unmetered
             forced, measured = res["schedule_bubble_fraction"], res["bubble_fraction"]
             assert measured >= forced - 1e-9, m
             seen.append(abs(forced - theory_bubble(2, m)))
@@ -180,8 +199,8 @@ def test_split_stages_partitions_the_model():
         assert set(seen) == set(full)
         for name, p in seen.items():
             torch.testing.assert_close(p, full[name])
-    first, = pipeline.split_stages(model, 0, 2)
-    last, = pipeline.split_stages(model, 1, 2)
+    (first,) = pipeline.split_stages(model, 0, 2)
+    (last,) = pipeline.split_stages(model, 1, 2)
     assert first.head is None and first.tok_emb is not None and list(first.layers) == ["0", "1"]
     assert last.tok_emb is None and last.head is not None and list(last.layers) == ["2", "3"]
     assert [list(c.layers) for c in pipeline.split_stages(model, 1, 2, virtual=2)] == [["1"], ["3"]]
@@ -205,8 +224,9 @@ def test_split_and_schedule_reject_bad_input():
 
 def _train_deepspeed(rank, world):
     mesh = build_mesh(world, pp=world)
-    runner = ds_pipeline.build_runner(make_model(), make_cfg(backend="deepspeed"), mesh,
-                                      loss_fn=lm_loss)
+    runner = ds_pipeline.build_runner(
+        make_model(), make_cfg(backend="deepspeed"), mesh, loss_fn=lm_loss
+    )
     with pytest.raises(ValueError, match="micro-batches"):
         runner.train_step(batches(0)[:2])
     return [runner.train_step(batches(s)).item() for s in range(STEPS)]
@@ -221,8 +241,9 @@ def test_deepspeed_pipeline_pp2_matches_single_process():
 
 def test_deepspeed_pipeline_rejects_zero2_and_3():
     for stage in (2, 3):
-        cfg = make_cfg(backend="deepspeed",
-                       deepspeed_config={"zero_optimization": {"stage": stage}})
+        cfg = make_cfg(
+            backend="deepspeed", deepspeed_config={"zero_optimization": {"stage": stage}}
+        )
         with pytest.raises(ValueError, match=f"ZeRO stage 0 or 1 only \\(got stage {stage}\\)"):
             ds_pipeline.ds_config(cfg, dp=1)
     cfg = make_cfg(backend="deepspeed", deepspeed_config={"zero_optimization": {"stage": 1}})

@@ -5,6 +5,7 @@ before any backward, so its peak is four micro-batches' saved activations;
 1F1B (PipeDream-Flush, Narayanan et al. 2021) keeps at most p in flight. The per-micro-batch
 reference is counted independently, in one process, on a plain forward.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -36,13 +37,16 @@ def _peaks(rank, world):
     mesh = build_mesh(world, pp=world)
     out = {}
     for schedule in ("gpipe", "1f1b"):
-        runner = pipeline.build_runner(make_model(), make_cfg(schedule=schedule), mesh,
-                                       loss_fn=lm_loss)
+        runner = pipeline.build_runner(
+            make_model(), make_cfg(schedule=schedule), mesh, loss_fn=lm_loss
+        )
         for s in range(2):
             runner.train_step(batches(s))
-        out[schedule] = dict(peak=runner.peak_activation_bytes(),
-                             record=runner.memory()["activation_peak_bytes"],
-                             live=runner.activations.live_bytes())
+        out[schedule] = dict(
+            peak=runner.peak_activation_bytes(),
+            record=runner.memory()["activation_peak_bytes"],
+            live=runner.activations.live_bytes(),
+        )
     return out
 
 

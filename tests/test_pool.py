@@ -1,4 +1,5 @@
 """Pool: real engines, a real gloo process group, nothing left running."""
+
 from __future__ import annotations
 
 import os
@@ -21,9 +22,11 @@ def test_pool_joins_one_process_group(pool):
 
 
 def test_all_reduce_sums_over_ranks(pool):
-    res = pool.execute("import torch, torch.distributed as dist\n"
-                       "t = torch.ones(1) * (dist.get_rank() + 1)\ndist.all_reduce(t)\n"
-                       "print(t.item())")
+    res = pool.execute(
+        "import torch, torch.distributed as dist\n"
+        "t = torch.ones(1) * (dist.get_rank() + 1)\ndist.all_reduce(t)\n"
+        "print(t.item())"
+    )
     assert res.text() == "[rank 0] 3.0\n[rank 1] 3.0"
 
 
@@ -43,8 +46,9 @@ def test_status_rows(pool):
 def test_rendezvous_address_comes_from_engine_0(pool):
     assert pool.engines[0]["addr"] == pool.addr
     assert all(e["addr"] == pool.addr and e["port"] == pool.rendezvous_port for e in pool.engines)
-    env = pool.run(lambda: (__import__("os").environ["MASTER_ADDR"],
-                            __import__("os").environ["RANK"]))
+    env = pool.run(
+        lambda: (__import__("os").environ["MASTER_ADDR"], __import__("os").environ["RANK"])
+    )
     assert env == [(pool.addr, "0"), (pool.addr, "1")]
 
 
@@ -66,15 +70,22 @@ def test_rerunning_init_in_a_cell_is_safe(pool):
     # what re-running the pool cell does on the engines: leave, then join again
     pool._rendezvous()
     pool._rendezvous()
-    res = pool.execute("import torch, torch.distributed as dist\nt = torch.ones(1)\n"
-                       "dist.all_reduce(t)\nt.item()")
+    res = pool.execute(
+        "import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()"
+    )
     assert res.results[0]["text/plain"] == "2.0"
     assert worker.routable_address("127.0.0.1") == "127.0.0.1"
 
 
-@pytest.mark.parametrize("bad, match", [
-    (0, "at least 1"), (-1, "at least 1"), (1.5, "positive integer"), ("2", "positive integer"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (0, "at least 1"),
+        (-1, "at least 1"),
+        (1.5, "positive integer"),
+        ("2", "positive integer"),
+    ],
+)
 def test_bad_pool_sizes_start_nothing(bad, match):
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     with pytest.raises(ValueError, match=match):
@@ -103,8 +114,9 @@ def test_replace_restart_shutdown_and_context_manager():
         first_pids = [e["pid"] for e in first.engines]
         second = nbpar.Pool(1)  # re-running the cell that makes the pool
         assert first.closed and not second.closed
-        assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
-                       for p in first_pids)
+        assert not any(
+            psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in first_pids
+        )
         old = second.engines[0]["pid"]
         second.restart()
         assert second.engines[0]["pid"] != old
@@ -123,15 +135,21 @@ def test_connect_attaches_to_a_running_cluster():
     cluster = ipp.Cluster(n=2, log_level=40)
     cluster.start_cluster_sync()
     try:
-        pool = nbpar.Pool.connect(cluster.cluster_file and None,
-                                  profile_dir=cluster.profile_dir,
-                                  cluster_id=cluster.cluster_id, n=2)
-        res = pool.execute("import torch, torch.distributed as dist\nt = torch.ones(1)\n"
-                           "dist.all_reduce(t)\nt.item()")
+        pool = nbpar.Pool.connect(
+            cluster.cluster_file and None,
+            profile_dir=cluster.profile_dir,
+            cluster_id=cluster.cluster_id,
+            n=2,
+        )
+        res = pool.execute(
+            "import torch, torch.distributed as dist\nt = torch.ones(1)\n"
+            "dist.all_reduce(t)\nt.item()"
+        )
         assert res.results[1]["text/plain"] == "2.0"
         pool.shutdown()  # leaves the cluster running: not ours
-        assert len(ipp.Client(profile_dir=cluster.profile_dir,
-                              cluster_id=cluster.cluster_id).ids) == 2
+        assert (
+            len(ipp.Client(profile_dir=cluster.profile_dir, cluster_id=cluster.cluster_id).ids) == 2
+        )
     finally:
         cluster.stop_cluster_sync()
 
@@ -143,11 +161,16 @@ def test_listens_on_loopback_only_and_connection_files_are_private(pool):
     procs = [psutil.Process(pool.cluster.controller.process.pid)]
     procs += procs[0].children(recursive=True)
     procs += [psutil.Process(e["pid"]) for e in pool.engines]
-    listening = {(p.pid, c.laddr.ip) for p in procs for c in p.net_connections(kind="inet")
-                 if c.status == psutil.CONN_LISTEN}
+    listening = {
+        (p.pid, c.laddr.ip)
+        for p in procs
+        for c in p.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    }
     assert listening and {ip for _, ip in listening} == {"127.0.0.1"}, listening
-    files = glob.glob(os.path.join(pool.cluster.profile_dir, "security",
-                                   f"*{pool.cluster.cluster_id}*.json"))
+    files = glob.glob(
+        os.path.join(pool.cluster.profile_dir, "security", f"*{pool.cluster.cluster_id}*.json")
+    )
     assert pool.cluster.cluster_file in files and len(files) >= 3
     for path in files:
         mode = stat.S_IMODE(os.stat(path).st_mode)

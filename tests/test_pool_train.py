@@ -1,4 +1,5 @@
 """pool.train(cfg): training on real engines, live history, stop, the CLI's JSON."""
+
 from __future__ import annotations
 
 import json
@@ -15,22 +16,27 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_ddp_on_the_pool_matches_single(pool):
-    ddp = pool.train(nbpar.TrainConfig(model="simple_cnn", strategy="ddp", micro_batch=4,
-                                       steps=20)).result()
-    single = pool.train(nbpar.TrainConfig(model="simple_cnn", strategy="single",
-                                          micro_batch=8, steps=20)).result()
+    ddp = pool.train(
+        nbpar.TrainConfig(model="simple_cnn", strategy="ddp", micro_batch=4, steps=20)
+    ).result()
+    single = pool.train(
+        nbpar.TrainConfig(model="simple_cnn", strategy="single", micro_batch=8, steps=20)
+    ).result()
     assert len(ddp["losses"]) == 20
-    torch.testing.assert_close(torch.tensor(ddp["losses"]), torch.tensor(single["losses"]),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(ddp["losses"]), torch.tensor(single["losses"]), atol=1e-5, rtol=0
+    )
     assert [r["rank"] for r in ddp["ranks"]] == [0, 1]
-    assert all(r["param_bytes"] > 0 and r["optim_bytes"] == 2 * r["param_bytes"]
-               for r in ddp["ranks"])
+    assert all(
+        r["param_bytes"] > 0 and r["optim_bytes"] == 2 * r["param_bytes"] for r in ddp["ranks"]
+    )
     assert 0 <= ddp["comm_fraction"] <= 1 and ddp["bubble_fraction"] is None
 
 
 def test_history_streams_while_training_and_stop_is_clean(pool):
-    run = pool.train(nbpar.TrainConfig(model="tiny_gpt", strategy="ddp", micro_batch=4,
-                                       steps=10_000))
+    run = pool.train(
+        nbpar.TrainConfig(model="tiny_gpt", strategy="ddp", micro_batch=4, steps=10_000)
+    )
     deadline = time.monotonic() + 60
     while len({rec["step"] for rec in run.history}) < 3:
         assert time.monotonic() < deadline, "no step records arrived while training"
@@ -57,8 +63,12 @@ def test_bad_config_is_refused_before_any_engine_works(pool):
 
 
 def _cli(*args):
-    out = subprocess.run([sys.executable, "-m", "nbpar", "train", *args, "--json"],
-                         capture_output=True, text=True, timeout=240)
+    out = subprocess.run(
+        [sys.executable, "-m", "nbpar", "train", *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -67,32 +77,61 @@ def test_cli_train_json_contract():
     common = ["--model", "tiny_gpt", "--steps", "6", "--seed", "3"]
     ddp = _cli("--engines", "2", "--strategy", "ddp", "--micro-batch", "4", *common)
     single = _cli("--engines", "1", "--strategy", "single", "--micro-batch", "8", *common)
-    assert set(ddp) >= {"config", "losses", "ranks", "step_time_s", "comm_fraction",
-                        "bubble_fraction"}
+    assert set(ddp) >= {
+        "config",
+        "losses",
+        "ranks",
+        "step_time_s",
+        "comm_fraction",
+        "bubble_fraction",
+    }
     assert ddp["config"]["strategy"] == "ddp" and len(ddp["losses"]) == 6
     for row in ddp["ranks"]:
         assert set(row) >= {"rank", "param_bytes", "grad_bytes", "optim_bytes", "peak_bytes"}
-    torch.testing.assert_close(torch.tensor(ddp["losses"]), torch.tensor(single["losses"]),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(ddp["losses"]), torch.tensor(single["losses"]), atol=1e-5, rtol=0
+    )
 
 
 def test_pipeline_run_reports_its_bubble(pool):
-    res = pool.train(nbpar.TrainConfig(model="tiny_gpt", strategy="pipeline", schedule="gpipe",
-                                       micro_batch=2, grad_accum=4, steps=3)).result()
+    res = pool.train(
+        nbpar.TrainConfig(
+            model="tiny_gpt",
+            strategy="pipeline",
+            schedule="gpipe",
+            micro_batch=2,
+            grad_accum=4,
+            steps=3,
+        )
+    ).result()
     assert len(res["losses"]) == 3
     assert 1 / 5 - 0.02 <= res["bubble_fraction"] < 1  # GPipe p=2, m=4: at least 1/5 idle
 
 
-@pytest.mark.parametrize("strategy, backend", [("zero2", "torch"), ("zero1", "deepspeed"),
-                                               ("zero3", "deepspeed"), ("tp", "torch"),
-                                               ("pipeline", "torch")])
+@pytest.mark.parametrize(
+    "strategy, backend",
+    [
+        ("zero2", "torch"),
+        ("zero1", "deepspeed"),
+        ("zero3", "deepspeed"),
+        ("tp", "torch"),
+        ("pipeline", "torch"),
+    ],
+)
 def test_measured_memory_matches_the_estimate(pool, strategy, backend):
     """Model states within 5% of the estimate, TP included: the estimate counts what the
     model's tensor-parallel plan leaves whole (embeddings, norms, head: 42% more than
     Psi / tp for the default tiny_gpt)."""
-    run = pool.train(nbpar.TrainConfig(model="tiny_gpt", strategy=strategy, backend=backend,
-                                       micro_batch=4, steps=2,
-                                       grad_accum=2 if strategy == "pipeline" else 1))
+    run = pool.train(
+        nbpar.TrainConfig(
+            model="tiny_gpt",
+            strategy=strategy,
+            backend=backend,
+            micro_batch=4,
+            steps=2,
+            grad_accum=2 if strategy == "pipeline" else 1,
+        )
+    )
     for rank, cmp in run.memory_vs_estimate().items():
         for key, row in cmp.items():
             assert abs(row["rel_error"]) <= 0.05, (rank, key, row)

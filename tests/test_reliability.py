@@ -1,4 +1,5 @@
 """Faults injected for real: a killed engine, a hung collective, an interrupt."""
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,9 @@ def sigint_raises():
 
 
 def _allreduce_ok(pool) -> float:
-    res = pool.execute("import torch, torch.distributed as dist\nt = torch.ones(1)\n"
-                       "dist.all_reduce(t)\nt.item()")
+    res = pool.execute(
+        "import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()"
+    )
     return float(res.results[0]["text/plain"])
 
 
@@ -33,9 +35,11 @@ def test_killed_engine_gives_a_clear_error_fast_and_restart_recovers(pool):
     threading.Timer(1.0, os.kill, (victim, signal.SIGKILL)).start()
     t = time.monotonic()
     with pytest.raises(EngineDied, match=r"rank\(s\) \[1\] died") as info:
-        pool.execute("import time, torch, torch.distributed as dist\n"
-                     "for _ in range(100):\n    dist.all_reduce(torch.ones(1))\n"
-                     "    time.sleep(0.1)")
+        pool.execute(
+            "import time, torch, torch.distributed as dist\n"
+            "for _ in range(100):\n    dist.all_reduce(torch.ones(1))\n"
+            "    time.sleep(0.1)"
+        )
     assert time.monotonic() - t < 10
     assert info.value.ranks == [1]
     assert pool.status()[1]["state"] == "dead"
@@ -47,9 +51,11 @@ def test_killed_engine_gives_a_clear_error_fast_and_restart_recovers(pool):
 def test_hung_collective_times_out_then_pool_is_usable_after_restart(pool):
     t = time.monotonic()
     with pytest.raises(DistTimeout, match=r"\[0\] did not finish within 3 s"):
-        pool.execute("import torch, torch.distributed as dist\n"
-                     "if dist.get_rank() == 0:\n    dist.all_reduce(torch.ones(1))",
-                     timeout=3)
+        pool.execute(
+            "import torch, torch.distributed as dist\n"
+            "if dist.get_rank() == 0:\n    dist.all_reduce(torch.ones(1))",
+            timeout=3,
+        )
     assert time.monotonic() - t < 8
     pool.restart()
     assert _allreduce_ok(pool) == 2.0
@@ -73,21 +79,27 @@ def test_no_engine_outlives_a_killed_kernel(tmp_path):
 
     import psutil
 
-    script = ("import os, signal, sys, nbpar\n"
-              "pool = nbpar.Pool(2, replace=False)\n"
-              "print(' '.join(str(e['pid']) for e in pool.engines), flush=True)\n"
-              "print(pool.cluster.controller.process.pid, flush=True)\n"
-              "os.kill(os.getpid(), signal.SIGKILL)\n")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=120)
+    script = (
+        "import os, signal, sys, nbpar\n"
+        "pool = nbpar.Pool(2, replace=False)\n"
+        "print(' '.join(str(e['pid']) for e in pool.engines), flush=True)\n"
+        "print(pool.cluster.controller.process.pid, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
     lines = out.stdout.split("\n")
     pids = [int(p) for p in lines[0].split()] + [int(lines[1])]
     deadline = time.monotonic() + 15
     alive = pids
     while alive and time.monotonic() < deadline:
         time.sleep(0.2)
-        alive = [p for p in pids if psutil.pid_exists(p)
-                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive = [
+            p
+            for p in pids
+            if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+        ]
     for p in alive:
         os.kill(p, signal.SIGKILL)
     assert not alive, f"engines/controller outlived their kernel: {alive}"
@@ -96,8 +108,9 @@ def test_no_engine_outlives_a_killed_kernel(tmp_path):
 def test_interrupt_during_train_stops_every_rank_at_a_step_boundary(pool, sigint_raises):
     import nbpar
 
-    run = pool.train(nbpar.TrainConfig(model="tiny_gpt", strategy="ddp", micro_batch=4,
-                                       steps=100_000))
+    run = pool.train(
+        nbpar.TrainConfig(model="tiny_gpt", strategy="ddp", micro_batch=4, steps=100_000)
+    )
     while len(run.history) < 4:
         time.sleep(0.1)
     threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
@@ -119,9 +132,11 @@ def test_restart_auto_brings_the_pool_back_after_an_engine_dies():
         victim = auto.engines[0]["pid"]
         threading.Timer(1.0, os.kill, (victim, signal.SIGKILL)).start()
         with pytest.raises(EngineDied, match="restarted"):
-            auto.execute("import time, torch, torch.distributed as dist\n"
-                         "for _ in range(200):\n    dist.all_reduce(torch.ones(1))\n"
-                         "    time.sleep(0.05)")
+            auto.execute(
+                "import time, torch, torch.distributed as dist\n"
+                "for _ in range(200):\n    dist.all_reduce(torch.ones(1))\n"
+                "    time.sleep(0.05)"
+            )
         assert victim not in [e["pid"] for e in auto.engines]
         assert [r["state"] for r in auto.status()] == ["ready", "ready"]
         assert _allreduce_ok(auto) == 2.0

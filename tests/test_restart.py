@@ -1,5 +1,6 @@
 """Restart budget: after a hang, 2 CPU engines are back (a completed all_reduce on
 fresh processes) within 2.5 s; spare engines start only when a restart is likely."""
+
 from __future__ import annotations
 
 import time
@@ -16,8 +17,11 @@ RESTART_BUDGET_S = 2.5
 
 
 def engine_pids() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)
-            if "nbpar.pool.engine" in " ".join(p.cmdline())}
+    return {
+        p.pid
+        for p in psutil.Process().children(recursive=True)
+        if "nbpar.pool.engine" in " ".join(p.cmdline())
+    }
 
 
 def test_a_pool_starts_no_spares_until_a_restart_looks_likely(pool):
@@ -42,6 +46,7 @@ def test_restart_without_spares_overlaps_start_and_kill(pool):
     new = {e["pid"] for e in pool.engines}
     assert not old & new and engine_pids() == new
     assert seconds < 60
-    res = pool.execute("import torch, torch.distributed as dist\nt = torch.ones(1)\n"
-                       "dist.all_reduce(t)\nt.item()")
+    res = pool.execute(
+        "import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()"
+    )
     assert [res.results[r]["text/plain"] for r in (0, 1)] == ["2.0", "2.0"]

@@ -2,6 +2,7 @@
 `estimate_memory` and the tables it reproduces (13B fp32 on one device; the ZeRO paper's
 7.5B on 64 devices), bytes sent against `comm_bytes_per_step`; bad input in one line; the
 process left as found, so a real run follows."""
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,11 @@ def test_model_states_match_the_estimate_for_every_data_parallel_strategy():
         est = estimate_memory(psi, 4, strategy, backend="torch").per_rank_bytes
         (rank,) = sim["ranks"]
         assert rank["stands_for"] == [0, 1, 2, 3]
-        for key, est_key in (("param_bytes", "params"), ("grad_bytes", "grads"),
-                             ("optim_bytes", "optim")):
+        for key, est_key in (
+            ("param_bytes", "params"),
+            ("grad_bytes", "grads"),
+            ("optim_bytes", "optim"),
+        ):
             # zero1 hands whole tensors to ranks: its optimizer share is ~1/N, not exact
             rel = 0.15 if (strategy, key) == ("zero1", "optim_bytes") else 0.05
             assert rank[key] == pytest.approx(est[est_key], rel=rel), (strategy, key)
@@ -47,8 +51,9 @@ def test_model_states_match_the_estimate_for_every_data_parallel_strategy():
 def test_13b_does_not_fit_one_device_the_fp32_table():
     """52 GB weights + 52 GB gradients + 104 GB Adam = 208 GB on one device."""
     gpt = nbpar.GPTConfig(d_model=5120, n_layers=41, n_heads=40, seq_len=16)  # 12.9B
-    sim = nbpar.simulate(nbpar.TrainConfig(strategy="single", gpt=gpt, micro_batch=1), 1,
-                         device_memory_gb=80)
+    sim = nbpar.simulate(
+        nbpar.TrainConfig(strategy="single", gpt=gpt, micro_batch=1), 1, device_memory_gb=80
+    )
     (rank,) = sim["ranks"]
     for key, table in (("param_bytes", 52), ("grad_bytes", 52), ("optim_bytes", 104)):
         assert rank[key] / GB == pytest.approx(table, rel=0.05)
@@ -62,23 +67,27 @@ def test_zero_paper_7_5b_on_64_devices_mixed_precision():
     for P_os (autocast keeps fp32 weights and gradients where the paper keeps 16-bit
     copies and an fp32 master in the optimizer) and less for P_os+g (FSDP2 reshards the
     parameters after backward, so zero2 holds the same as zero3 between steps)."""
-    gpt = nbpar.GPTConfig(d_model=8192, n_layers=9, n_heads=64, vocab_size=16000,
-                          seq_len=16)  # 7.51B
+    gpt = nbpar.GPTConfig(
+        d_model=8192, n_layers=9, n_heads=64, vocab_size=16000, seq_len=16
+    )  # 7.51B
     psi = _psi(gpt)
     assert psi / 1e9 == pytest.approx(7.5, rel=0.01)
     got = {}
     for strategy in ("ddp", "zero1", "zero2", "zero3"):
-        sim = nbpar.simulate(nbpar.TrainConfig(strategy=strategy, gpt=gpt, micro_batch=1,
-                                               precision="bf16"), 64)
+        sim = nbpar.simulate(
+            nbpar.TrainConfig(strategy=strategy, gpt=gpt, micro_batch=1, precision="bf16"), 64
+        )
         got[strategy] = _states(sim["ranks"][0]) / GB
     assert got["ddp"] == pytest.approx(120, rel=0.05)
     assert got["zero3"] == pytest.approx(1.9, rel=0.05)
     fp32_weights = estimate_memory(psi, 64, "zero1", precision="fp32").per_rank_bytes
-    assert got["zero1"] > 31.4 and got["zero1"] == pytest.approx(fp32_weights["total"] / GB,
-                                                                  rel=0.05)
+    assert got["zero1"] > 31.4 and got["zero1"] == pytest.approx(
+        fp32_weights["total"] / GB, rel=0.05
+    )
     resharded = estimate_memory(psi, 64, "zero2", precision="mixed", backend="torch")
     assert got["zero2"] < 16.6 and got["zero2"] == pytest.approx(
-        resharded.per_rank_bytes["total"] / GB, rel=0.05)
+        resharded.per_rank_bytes["total"] / GB, rel=0.05
+    )
 
 
 def test_bytes_sent_match_theory():
@@ -89,15 +98,23 @@ def test_bytes_sent_match_theory():
         assert sim["ranks"][0]["comm_bytes"] == pytest.approx(want, rel=0.05), strategy
     hidden = 2 * SMALL.seq_len * SMALL.d_model * 4  # one micro-batch's (b, s, d), fp32
     sim = nbpar.simulate(nbpar.TrainConfig(strategy="tp", gpt=SMALL, micro_batch=2), 2)
-    want = comm_bytes_per_step("tp", param_bytes=psi_bytes, tp=2, layers=SMALL.n_layers,
-                               activation_bytes=hidden)
+    want = comm_bytes_per_step(
+        "tp", param_bytes=psi_bytes, tp=2, layers=SMALL.n_layers, activation_bytes=hidden
+    )
     assert sim["ranks"][0]["comm_bytes"] == pytest.approx(want, rel=0.10)
-    sim = nbpar.simulate(nbpar.TrainConfig(strategy="pipeline", gpt=SMALL, micro_batch=2,
-                                           grad_accum=4), 4)
+    sim = nbpar.simulate(
+        nbpar.TrainConfig(strategy="pipeline", gpt=SMALL, micro_batch=2, grad_accum=4), 4
+    )
     assert [r["stands_for"] for r in sim["ranks"]] == [[0], [1], [2], [3]]
     for stage, rank in enumerate(sim["ranks"]):
-        want = comm_bytes_per_step("pipeline", param_bytes=psi_bytes, pp=4, grad_accum=4,
-                                   activation_bytes=hidden, pp_stage=stage)
+        want = comm_bytes_per_step(
+            "pipeline",
+            param_bytes=psi_bytes,
+            pp=4,
+            grad_accum=4,
+            activation_bytes=hidden,
+            pp_stage=stage,
+        )
         assert rank["comm_bytes"] == pytest.approx(want, rel=0.05), stage
     # 1F1B: stage i holds at most p - i micro-batches' activations
     acts = [r["activation_bytes"] for r in sim["ranks"]]
@@ -105,8 +122,12 @@ def test_bytes_sent_match_theory():
 
 
 def test_hybrid_roles_one_per_stage():
-    sim = nbpar.simulate(nbpar.TrainConfig(strategy="hybrid", dp=2, tp=2, pp=2, gpt=SMALL,
-                                           micro_batch=2, grad_accum=2), 8)
+    sim = nbpar.simulate(
+        nbpar.TrainConfig(
+            strategy="hybrid", dp=2, tp=2, pp=2, gpt=SMALL, micro_batch=2, grad_accum=2
+        ),
+        8,
+    )
     assert [r["stands_for"] for r in sim["ranks"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert [r["rank"] for r in sim["ranks"]] == [0, 4]
     for r in sim["ranks"]:
@@ -121,13 +142,18 @@ def _cli(capsys, *argv):
     return code, out, err
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--strategy", "hybrid", "--world-size", "8", "--dp", "2", "--tp", "3", "--pp", "2"],
-     "dp*tp*pp = 2*3*2 = 12 must equal"),
-    (["--strategy", "tp", "--world-size", "8"], "tp=8 must divide gpt.n_heads=4"),
-    (["--strategy", "pipeline", "--world-size", "4"], "pp=4 pipeline stages need at least 4"),
-    (["--strategy", "zero3", "--world-size", "2", "--model-config", "{bad"], "not JSON"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (
+            ["--strategy", "hybrid", "--world-size", "8", "--dp", "2", "--tp", "3", "--pp", "2"],
+            "dp*tp*pp = 2*3*2 = 12 must equal",
+        ),
+        (["--strategy", "tp", "--world-size", "8"], "tp=8 must divide gpt.n_heads=4"),
+        (["--strategy", "pipeline", "--world-size", "4"], "pp=4 pipeline stages need at least 4"),
+        (["--strategy", "zero3", "--world-size", "2", "--model-config", "{bad"], "not JSON"),
+    ],
+)
 def test_bad_input_is_one_line(capsys, argv, words):
     code, out, err = _cli(capsys, *argv, "--json")
     assert code == 2 and out == ""
@@ -145,22 +171,40 @@ def test_a_model_that_cannot_be_built_fake_is_named(monkeypatch):
     from nbpar.train import models
 
     monkeypatch.setattr(models, "build_model", lambda cfg: Unbuildable())
-    with pytest.raises(ValueError, match="cannot be built on fake tensors: in module "
-                                         "Unbuildable"):
+    with pytest.raises(ValueError, match="cannot be built on fake tensors: in module Unbuildable"):
         nbpar.simulate(nbpar.TrainConfig(strategy="zero3", gpt=SMALL), 2)
     assert not dist.is_initialized()
 
 
 def test_cli_json_contract_and_fit(capsys):
-    code, out, _ = _cli(capsys, "--strategy", "zero3", "--world-size", "4",
-                        "--model-config", json.dumps({"d_model": 64, "n_layers": 2}),
-                        "--micro-batch", "2", "--device-memory", "80", "--json")
+    code, out, _ = _cli(
+        capsys,
+        "--strategy",
+        "zero3",
+        "--world-size",
+        "4",
+        "--model-config",
+        json.dumps({"d_model": 64, "n_layers": 2}),
+        "--micro-batch",
+        "2",
+        "--device-memory",
+        "80",
+        "--json",
+    )
     res = json.loads(out)
     assert code == 0 and set(res) >= {"config", "ranks", "seconds", "fits", "margin_bytes"}
-    keys = {"rank", "stands_for", "param_bytes", "grad_bytes", "optim_bytes",
-            "activation_bytes", "peak_bytes", "comm_bytes"}
+    keys = {
+        "rank",
+        "stands_for",
+        "param_bytes",
+        "grad_bytes",
+        "optim_bytes",
+        "activation_bytes",
+        "peak_bytes",
+        "comm_bytes",
+    }
     assert keys <= set(res["ranks"][0]) and res["fits"] is True
-    assert res["margin_bytes"] == 80 * 10 ** 9 - res["ranks"][0]["peak_bytes"]
+    assert res["margin_bytes"] == 80 * 10**9 - res["ranks"][0]["peak_bytes"]
     assert res["config"]["gpt"]["d_model"] == 64
 
 
@@ -183,8 +227,7 @@ def test_process_left_as_found_and_a_real_run_follows(tmp_path):
     nbpar.simulate(cfg, 1)
     assert not dist.is_initialized()
     assert torch.ones(2).sum().item() == 2.0  # real tensors again
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0,
-                            world_size=1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
         res = run_training(cfg)  # the same (1, 1, 1) layout, DTensor and all, for real
         assert len(res["losses"]) == 2 and all(loss > 0 for loss in res["losses"])
@@ -206,6 +249,7 @@ def test_zero3_activations_are_those_of_ddp_once_fsdp_frees_gathered_weights():
     ddp = nbpar.simulate(nbpar.TrainConfig(strategy="ddp", **cfg), 2)["ranks"][0]
     zero3 = nbpar.simulate(nbpar.TrainConfig(strategy="zero3", **cfg), 2)["ranks"][0]
     block = sum(p.numel() * 4 for p in Block(SMALL).parameters())
-    assert ddp["activation_bytes"] <= zero3["activation_bytes"] \
-        < ddp["activation_bytes"] + 2 * block
+    assert (
+        ddp["activation_bytes"] <= zero3["activation_bytes"] < ddp["activation_bytes"] + 2 * block
+    )
     assert zero3["peak_bytes"] < ddp["peak_bytes"]

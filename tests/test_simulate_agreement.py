@@ -1,13 +1,13 @@
 """A simulated rank equals a real one: the same small config simulated at world size 2
 and trained on 2 real engines gives the same figures, category by category, within 5%."""
+
 from __future__ import annotations
 
 import pytest
 
 import nbpar
 
-KEYS = ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "peak_bytes",
-        "comm_bytes")
+KEYS = ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "peak_bytes", "comm_bytes")
 
 
 @pytest.mark.timeout(300)

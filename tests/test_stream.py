@@ -1,4 +1,5 @@
 """%%dist shows each rank's lines while the cell runs, then the grouped output."""
+
 from __future__ import annotations
 
 import time
@@ -10,9 +11,11 @@ from IPython.testing.globalipapp import get_ipython
 
 pytestmark = pytest.mark.timeout(180)
 
-SLOW_CELL = ("import time, torch.distributed as dist\nr = dist.get_rank()\n"
-             "for i in range(3):\n    print('tick', i, flush=True)\n    time.sleep(0.8)\n"
-             "import sys; print('warn', r, file=sys.stderr)\n")
+SLOW_CELL = (
+    "import time, torch.distributed as dist\nr = dist.get_rank()\n"
+    "for i in range(3):\n    print('tick', i, flush=True)\n    time.sleep(0.8)\n"
+    "import sys; print('warn', r, file=sys.stderr)\n"
+)
 
 
 class TimedPublisher(CapturingDisplayPublisher):
@@ -40,8 +43,7 @@ def pub(ip, monkeypatch):
     return rec.outputs
 
 
-def test_lines_arrive_while_the_cell_runs_then_grouped_output_replaces_them(ip, pool, pub,
-                                                                             capsys):
+def test_lines_arrive_while_the_cell_runs_then_grouped_output_replaces_them(ip, pool, pub, capsys):
     pool.activate()
     ip.run_cell_magic("dist", "--stream", SLOW_CELL)
     end = time.monotonic()
@@ -62,12 +64,17 @@ def test_lines_arrive_while_the_cell_runs_then_grouped_output_replaces_them(ip, 
 
 def test_figures_and_widgets_on_ranks_still_arrive_in_rank_order(ip, pool, pub):
     pool.activate()
-    ip.run_cell_magic("dist", "--stream", (
-        "import time, ipywidgets, matplotlib.pyplot as plt\n"
-        "get_ipython().run_line_magic('matplotlib', 'inline')\n"
-        "from IPython.display import display\nprint('start', flush=True)\ntime.sleep(0.8)\n"
-        "fig = plt.figure(figsize=(1, 1)); plt.plot([0, dist.get_rank()])\ndisplay(fig)\n"
-        "plt.close(fig)\ndisplay(ipywidgets.IntSlider(value=dist.get_rank()))\n"))
+    ip.run_cell_magic(
+        "dist",
+        "--stream",
+        (
+            "import time, ipywidgets, matplotlib.pyplot as plt\n"
+            "get_ipython().run_line_magic('matplotlib', 'inline')\n"
+            "from IPython.display import display\nprint('start', flush=True)\ntime.sleep(0.8)\n"
+            "fig = plt.figure(figsize=(1, 1)); plt.plot([0, dist.get_rank()])\ndisplay(fig)\n"
+            "plt.close(fig)\ndisplay(ipywidgets.IntSlider(value=dist.get_rank()))\n"
+        ),
+    )
     shown = [o["data"] for o in pub if not o["transient"]]
     assert ["image/png" in d for d in shown] == [True, False, True, False]
     sliders = [d["text/plain"] for d in shown if "image/png" not in d]
@@ -132,8 +139,10 @@ def test_in_a_jupyter_kernel_lines_stream_by_default():
     try:
         run("%load_ext nbpar\nimport nbpar\npool = nbpar.Pool(2, replace=False)")
         try:
-            out = run("%%dist\nimport time\nfor i in range(3):\n"
-                      "    print('tick', i, flush=True)\n    time.sleep(1)")
+            out = run(
+                "%%dist\nimport time\nfor i in range(3):\n"
+                "    print('tick', i, flush=True)\n    time.sleep(1)"
+            )
         finally:
             run("pool.shutdown()")
     finally:
@@ -146,4 +155,5 @@ def test_in_a_jupyter_kernel_lines_stream_by_default():
     assert "[rank 0] tick 0" in first[2] and first[0] < out[-1][0] - 1.0  # early
     assert out[-3][1:] == ("update_display_data", "")  # the live area emptied
     assert [text for _, kind, text in out[-2:]] == [
-        "".join(f"[rank {r}] tick {i}\n" for i in range(3)) for r in (0, 1)]
+        "".join(f"[rank {r}] tick {i}\n" for i in range(3)) for r in (0, 1)
+    ]

@@ -1,4 +1,5 @@
 """The notebooks' helper experiments and figures (nbpar.view.teaching)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -25,9 +26,14 @@ def test_tp_split_draws_one_box_per_matrix_and_rank():
     assert len(wide) == 2 and all(b.get_height() == 32 for b in wide)
 
 
-@pytest.mark.parametrize("kwargs", [dict(d_model=32, ffn_dim=128, tp=3),
-                                    dict(d_model=32, ffn_dim=128, tp=0),
-                                    dict(d_model=32, ffn_dim=100, tp=8)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(d_model=32, ffn_dim=128, tp=3),
+        dict(d_model=32, ffn_dim=128, tp=0),
+        dict(d_model=32, ffn_dim=100, tp=8),
+    ],
+)
 def test_tp_split_rejects_degrees_that_do_not_divide(kwargs):
     with pytest.raises(ValueError):
         teaching.plot_tp_split(**kwargs)
@@ -85,8 +91,9 @@ def test_loader_throughput_packed_beats_slow_decoding(tmp_path):
 
 def test_loader_throughput_with_persistent_workers(tmp_path):
     ds = teaching.SlowDataset(n=8, shape=(2,), delay_s=0.0)
-    rate = teaching.loader_throughput(ds, batch_size=4, num_workers=1, persistent_workers=True,
-                                      prefetch_factor=2, epochs=2)
+    rate = teaching.loader_throughput(
+        ds, batch_size=4, num_workers=1, persistent_workers=True, prefetch_factor=2, epochs=2
+    )
     assert rate > 0
     with pytest.raises(ValueError):
         teaching.loader_throughput(ds, persistent_workers=True)

@@ -4,6 +4,7 @@ Every check compares the tp-split computation with the same computation on the
 unsplit module (same seed, same weights): outputs, input gradients, the full
 (gathered) gradient of every weight, and 20 optimizer steps of TinyGPT.
 """
+
 from __future__ import annotations
 
 import copy
@@ -32,8 +33,7 @@ def make_gpt(seed: int = 0) -> TinyGPT:
 def batches(steps: int, accum: int, batch: int, seed: int = 1):
     """steps x accum micro-batches of (tokens, next tokens), each (batch, seq)."""
     g = torch.Generator().manual_seed(seed)
-    data = torch.randint(0, GPT.vocab_size, (steps, accum, batch, GPT.seq_len + 1),
-                         generator=g)
+    data = torch.randint(0, GPT.vocab_size, (steps, accum, batch, GPT.seq_len + 1), generator=g)
     return [[(mb[:, :-1], mb[:, 1:]) for mb in step] for step in data]
 
 
@@ -73,8 +73,9 @@ def check_layer(mesh, kind):
     torch.manual_seed(0)  # torch's default Linear init: non-zero biases too
     layer = FeedForward(GPT) if kind == "ffn" else Attention(GPT)
     ref = copy.deepcopy(layer)
-    plan = {k.split(".", 1)[1]: style for k, style in block_plan().items()
-            if k.startswith(kind + ".")}  # the production plan, relative to the layer
+    plan = {
+        k.split(".", 1)[1]: style for k, style in block_plan().items() if k.startswith(kind + ".")
+    }  # the production plan, relative to the layer
     parallelize_module(layer, mesh["tp"], plan)
     first = layer.w1 if kind == "ffn" else layer.wq
     assert first.weight.to_local().shape[0] == first.out_features // world
@@ -96,7 +97,7 @@ def _gpt_grads_worker(rank, world):
     mesh = ParallelDims(tp=world, world_size=world).build_mesh("cpu")
     model, ref = make_gpt(), make_gpt()
     apply_tp(model, mesh["tp"])
-    (x, y), = batches(1, 1, 4)[0]
+    ((x, y),) = batches(1, 1, 4)[0]
     logits = model(x)
     assert_close(logits, ref(x))
     gpt_loss(logits, y).backward()
@@ -131,8 +132,12 @@ def _gpt_train_worker(rank, world, n_steps, accum):
         assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-5, rtol=0)
         assert_close(drop_key_bias(params), drop_key_bias(ref_params))
         ref_model = make_gpt()
-        ref = StepRunner(ref_model, torch.optim.Adam(ref_model.parameters(), lr=1e-3),
-                         gpt_loss, autocast_dtype=torch.bfloat16)
+        ref = StepRunner(
+            ref_model,
+            torch.optim.Adam(ref_model.parameters(), lr=1e-3),
+            gpt_loss,
+            autocast_dtype=torch.bfloat16,
+        )
         for loss, mbs in zip(bf16_losses, steps):
             assert_close(loss, ref.train_step(mbs), atol=2e-2, rtol=0)
     return memory, losses
@@ -146,8 +151,10 @@ def _dp_tp_worker(rank, world, strategies, n_steps, accum):
     mesh = dims.build_mesh("cpu")
     dp_rank = dims.coords(rank)["dp"]
     global_steps = batches(n_steps, accum, 8)  # the single process sees batch 8
-    mine = [[(x[4 * dp_rank:4 * dp_rank + 4], y[4 * dp_rank:4 * dp_rank + 4])
-             for x, y in step] for step in global_steps]
+    mine = [
+        [(x[4 * dp_rank : 4 * dp_rank + 4], y[4 * dp_rank : 4 * dp_rank + 4]) for x, y in step]
+        for step in global_steps
+    ]
     ref_losses, ref_params = reference_losses(global_steps) if rank == 0 else (None, None)
     memory = {}
     for strategy in strategies:
@@ -160,10 +167,18 @@ def _dp_tp_worker(rank, world, strategies, n_steps, accum):
             losses.append(loss.item() / 2)
         params = {k: full(v).detach().clone() for k, v in model.state_dict().items()}
         if rank == 0:  # losses and gathered params are the same on every rank
-            assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-5, rtol=0,
-                         msg=lambda m, s=strategy: f"{s}: {m}")
-            assert_close(drop_key_bias(params), drop_key_bias(ref_params),
-                         msg=lambda m, s=strategy: f"{s}: {m}")
+            assert_close(
+                torch.tensor(losses),
+                torch.tensor(ref_losses),
+                atol=1e-5,
+                rtol=0,
+                msg=lambda m, s=strategy: f"{s}: {m}",
+            )
+            assert_close(
+                drop_key_bias(params),
+                drop_key_bias(ref_params),
+                msg=lambda m, s=strategy: f"{s}: {m}",
+            )
         memory[strategy] = runner.memory()
     return memory
 
@@ -180,8 +195,9 @@ def test_colwise_rowwise_ffn_and_attention_match_single_forward_and_backward():
 @pytest.mark.timeout(180)
 def test_tinygpt_logits_and_grads_match_and_replicated_grads_agree():
     replicated = run_distributed(_gpt_grads_worker, 2)
-    assert {"tok_emb.weight", "norm.weight", "head.weight",
-            "layers.0.attn_norm.weight"} <= set(replicated[0])
+    assert {"tok_emb.weight", "norm.weight", "head.weight", "layers.0.attn_norm.weight"} <= set(
+        replicated[0]
+    )
     for name, grad in replicated[0].items():  # identical on both tp ranks, bit for bit
         assert (grad == replicated[1][name]).all(), name
 
@@ -203,6 +219,7 @@ def test_dp2_x_tp2_matches_single_on_global_batch():
 
 class _ThreeRankMesh:
     """Shape of a 1-D tp mesh of 3 ranks: apply_tp must refuse before touching it."""
+
     ndim = 1
 
     def size(self):
@@ -218,8 +235,9 @@ def test_tp_must_divide_heads():
     assert not any(hasattr(p, "full_tensor") for p in model.parameters())  # nothing split
 
 
-@pytest.mark.parametrize("bad, match", [({"precision": "fp16"}, "fp16"),
-                                        ({"strategy": "pipeline"}, "pipeline")])
+@pytest.mark.parametrize(
+    "bad, match", [({"precision": "fp16"}, "fp16"), ({"strategy": "pipeline"}, "pipeline")]
+)
 def test_build_runner_rejects_what_it_cannot_run(bad, match):
     cfg = train_cfg(**{"strategy": "tp", **bad})
     with pytest.raises(ValueError, match=match):

@@ -1,4 +1,5 @@
 """run_training end to end: DDP on 2 gloo processes equals the single-process run."""
+
 import pytest
 import torch
 
@@ -7,16 +8,31 @@ from nbpar.train.loop import run_training
 from tests.distributed import run_distributed
 
 MODELS = ("simple_cnn", "tiny_gpt")
-RECORD_KEYS = {"step", "rank", "loss", "step_time_s", "compute_s", "comm_s", "samples_per_s",
-               "tokens_per_s", "param_bytes", "grad_bytes", "optim_bytes", "rss_bytes",
-               "peak_bytes", "local_loss"}
+RECORD_KEYS = {
+    "step",
+    "rank",
+    "loss",
+    "step_time_s",
+    "compute_s",
+    "comm_s",
+    "samples_per_s",
+    "tokens_per_s",
+    "param_bytes",
+    "grad_bytes",
+    "optim_bytes",
+    "rss_bytes",
+    "peak_bytes",
+    "local_loss",
+}
 
 
 def _params(box):
     """on_finish callback: keep the trained weights as numpy (picklable by value)."""
+
     def grab(runner):
         model = getattr(runner.model, "module", runner.model)
         box.extend(p.detach().numpy().copy() for p in model.parameters())
+
     return grab
 
 
@@ -32,8 +48,11 @@ def _train(rank, world, strategy, micro):
     if strategy == "ddp":
         records = []
         cfg = TrainConfig(model="tiny_gpt", strategy="ddp", micro_batch=micro, steps=10)
-        res = run_training(cfg.to_dict(), publish=records.append,
-                           should_stop=lambda: rank == 0 and len(records) >= 3)
+        res = run_training(
+            cfg.to_dict(),
+            publish=records.append,
+            should_stop=lambda: rank == 0 and len(records) >= 3,
+        )
         out["stopped"] = {"result": res, "records": records}
     return out
 
@@ -65,8 +84,7 @@ def test_ddp_replicas_stay_identical(single, ddp, model):
     for a, b in zip(ddp[0][model]["params"], ddp[1][model]["params"]):
         torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), atol=0, rtol=0)
     for a, ref in zip(ddp[0][model]["params"], single[model]["params"]):
-        torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(ref),
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(ref), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.timeout(120)
@@ -107,8 +125,9 @@ def test_grad_accum_equals_bigger_micro_batch_without_process_group():
     kw = dict(model="simple_cnn", strategy="single", steps=6)
     accum = run_training(TrainConfig(micro_batch=4, grad_accum=2, **kw))
     whole = run_training(TrainConfig(micro_batch=8, grad_accum=1, **kw))
-    torch.testing.assert_close(torch.tensor(accum["losses"]), torch.tensor(whole["losses"]),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(accum["losses"]), torch.tensor(whole["losses"]), atol=1e-5, rtol=0
+    )
     assert accum["history"][0]["tokens_per_s"] is None
     assert accum["history"][0]["samples_per_s"] > 0
 
@@ -132,8 +151,14 @@ def test_batches_roll_over_into_a_reshuffled_epoch():
 @pytest.mark.timeout(120)
 def test_digits_training_runs_past_an_epoch():
     """More steps than one epoch holds: training continues on a reshuffled epoch."""
-    cfg = TrainConfig(model="simple_cnn", strategy="single", dataset="digits",
-                      micro_batch=512, steps=4, optimizer="sgd")
+    cfg = TrainConfig(
+        model="simple_cnn",
+        strategy="single",
+        dataset="digits",
+        micro_batch=512,
+        steps=4,
+        optimizer="sgd",
+    )
     res = run_training(cfg)  # 1797 digits -> 3 micro-batches per epoch
     assert len(res["losses"]) == 4
 

@@ -1,6 +1,7 @@
 """A user's own module, data set and loss: every data-parallel strategy and backend
 equals the single-process reference through `pool.train` on real engines, and bad
 input is refused in one line before any engine works."""
+
 from __future__ import annotations
 
 import pytest
@@ -28,23 +29,35 @@ def test_every_data_parallel_strategy_equals_single(pool):
     assert ref[-5:].mean() < ref[:5].mean(), "the reference does not learn"
     cases = DATA_PARALLEL + [("zero2", "deepspeed", "optimizer")]
     for strategy, backend, *offload in cases:
-        got = _losses(pool, strategy=strategy, backend=backend, micro_batch=4, grad_accum=2,
-                      offload=offload[0] if offload else "none", **USER)
-        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0,
-                                   msg=lambda m: f"{strategy}/{backend} {offload}: {m}")
+        got = _losses(
+            pool,
+            strategy=strategy,
+            backend=backend,
+            micro_batch=4,
+            grad_accum=2,
+            offload=offload[0] if offload else "none",
+            **USER,
+        )
+        torch.testing.assert_close(
+            got, ref, atol=1e-5, rtol=0, msg=lambda m: f"{strategy}/{backend} {offload}: {m}"
+        )
 
 
 def test_callables_and_registered_names_train_like_strings(pool):
     """The factory given as a function and as a registered name ships to the engines."""
-    ref = _losses(pool, strategy="single", micro_batch=16, model_config={"width": 16},
-                  **USER)
-    got = _losses(pool, strategy="zero3", micro_batch=8, model=user_models.make_model,
-                  model_config={"width": 16}, dataset=user_models.make_data,
-                  loss=user_models.mse)
+    ref = _losses(pool, strategy="single", micro_batch=16, model_config={"width": 16}, **USER)
+    got = _losses(
+        pool,
+        strategy="zero3",
+        micro_batch=8,
+        model=user_models.make_model,
+        model_config={"width": 16},
+        dataset=user_models.make_data,
+        loss=user_models.mse,
+    )
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
     nbpar.register_model("my_net", M + "make_model", dataset=M + "make_data", loss=M + "mse")
-    got = _losses(pool, strategy="ddp", micro_batch=8, model="my_net",
-                  model_config={"width": 16})
+    got = _losses(pool, strategy="ddp", micro_batch=8, model="my_net", model_config={"width": 16})
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
@@ -53,20 +66,28 @@ def test_bf16_trains_a_user_module(pool):
     assert torch.isfinite(losses).all() and losses[-5:].mean() < losses[:5].mean()
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(model=M + "raises"), "model factory tests.user_models:raises raised RuntimeError: "
-                               "weights file missing"),
-    (dict(model=M + "not_a_module"), "returned str, not a torch.nn.Module"),
-    (dict(model="tests.no_such_module:f"), "cannot import 'tests.no_such_module'"),
-    (dict(model=M + "no_such_function"), "has no 'no_such_function'"),
-    (dict(dataset=M + "wrong_shape_data"), r"input \(16, 5\) float32\) does not fit model "
-                                           r"tests.user_models:make_model: RuntimeError"),
-    (dict(loss=None), "needs loss="),
-    (dict(dataset=None), "needs dataset="),
-    (dict(strategy="tp"), "TwoLayerNet has no parallel_plan"),
-    (dict(strategy="pipeline"), "TwoLayerNet has no parallel_plan"),
-    (dict(activation_checkpointing=True), "activation_checkpointing needs"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            dict(model=M + "raises"),
+            "model factory tests.user_models:raises raised RuntimeError: weights file missing",
+        ),
+        (dict(model=M + "not_a_module"), "returned str, not a torch.nn.Module"),
+        (dict(model="tests.no_such_module:f"), "cannot import 'tests.no_such_module'"),
+        (dict(model=M + "no_such_function"), "has no 'no_such_function'"),
+        (
+            dict(dataset=M + "wrong_shape_data"),
+            r"input \(16, 5\) float32\) does not fit model "
+            r"tests.user_models:make_model: RuntimeError",
+        ),
+        (dict(loss=None), "needs loss="),
+        (dict(dataset=None), "needs dataset="),
+        (dict(strategy="tp"), "TwoLayerNet has no parallel_plan"),
+        (dict(strategy="pipeline"), "TwoLayerNet has no parallel_plan"),
+        (dict(activation_checkpointing=True), "activation_checkpointing needs"),
+    ],
+)
 def test_bad_input_is_one_line_before_engines(change, message):
     cfg = nbpar.TrainConfig(**{**USER, "strategy": "ddp", "micro_batch": 16, **change})
     with pytest.raises(ValueError, match=message) as err:
@@ -92,8 +113,9 @@ def _cli(*args):
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-m", "nbpar", "train", *args], capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "nbpar", "train", *args], capture_output=True, text=True, timeout=600
+    )
 
 
 FLAGS = ("--model", M + "make_model", "--dataset", M + "make_data", "--loss", M + "mse")
@@ -104,23 +126,42 @@ def test_cli_trains_the_users_module_like_the_reference():
 
     from nbpar.train.loop import run_training
 
-    out = _cli(*FLAGS, "--model-config", '{"width": 16}', "--strategy", "zero2",
-               "--micro-batch", "8", "--steps", "10", "--lr", "0.01", "--json")
+    out = _cli(
+        *FLAGS,
+        "--model-config",
+        '{"width": 16}',
+        "--strategy",
+        "zero2",
+        "--micro-batch",
+        "8",
+        "--steps",
+        "10",
+        "--lr",
+        "0.01",
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     assert got["config"]["model_config"] == {"width": 16}
-    ref = run_training(nbpar.TrainConfig(**USER, model_config={"width": 16}, strategy="single",
-                                         micro_batch=16, steps=10, lr=1e-2))
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]),
-                               atol=1e-5, rtol=0)
+    ref = run_training(
+        nbpar.TrainConfig(
+            **USER, model_config={"width": 16}, strategy="single", micro_batch=16, steps=10, lr=1e-2
+        )
+    )
+    torch.testing.assert_close(
+        torch.tensor(got["losses"]), torch.tensor(ref["losses"]), atol=1e-5, rtol=0
+    )
 
 
-@pytest.mark.parametrize("args, message", [
-    (("--model", M + "raises"), "raised RuntimeError: weights file missing"),
-    (("--dataset", M + "wrong_shape_data"), "does not fit model"),
-    (("--model-config", "{width: 3}"), "--model-config is not JSON"),
-    (("--strategy", "tp"), "has no parallel_plan"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--model", M + "raises"), "raised RuntimeError: weights file missing"),
+        (("--dataset", M + "wrong_shape_data"), "does not fit model"),
+        (("--model-config", "{width: 3}"), "--model-config is not JSON"),
+        (("--strategy", "tp"), "has no parallel_plan"),
+    ],
+)
 def test_cli_refuses_bad_input_in_one_line(args, message):
     flags = dict(zip(FLAGS[::2], FLAGS[1::2]))
     flags.update(dict(zip(args[::2], args[1::2])))
@@ -134,8 +175,7 @@ def test_the_picker_offers_and_trains_a_registered_model(pool):
     `pool.train` with the same settings."""
     from nbpar.view.widgets import StrategyPicker
 
-    nbpar.register_model("picked_net", M + "make_model", dataset=M + "make_data",
-                         loss=M + "mse")
+    nbpar.register_model("picked_net", M + "make_model", dataset=M + "make_data", loss=M + "mse")
     picker = StrategyPicker(pool, background=False)
     options = [value for _, value in picker.fields["model"].options]
     assert options[:4] == ["simple_cnn", "tiny_gpt", "hf:gpt2", "hf:llama"]
@@ -147,13 +187,19 @@ def test_the_picker_offers_and_trains_a_registered_model(pool):
     run = picker._launch()
     assert run is not None and run.cfg.model == "picked_net"
     got = torch.tensor(run.result()["losses"])
-    cfg = nbpar.TrainConfig(model="picked_net", strategy="single", steps=6, seed=0,
-                            micro_batch=2 * run.cfg.micro_batch, lr=run.cfg.lr)
+    cfg = nbpar.TrainConfig(
+        model="picked_net",
+        strategy="single",
+        steps=6,
+        seed=0,
+        micro_batch=2 * run.cfg.micro_batch,
+        lr=run.cfg.lr,
+    )
     ref = torch.tensor(pool.train(cfg).result()["losses"])
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
-NOTEBOOK_CELL = '''
+NOTEBOOK_CELL = """
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -171,7 +217,7 @@ def make_data():
 
 def mse(out, target):
     return F.mse_loss(out, target)
-'''
+"""
 
 
 def test_functions_defined_in_a_notebook_reach_the_engines(pool):
@@ -181,20 +227,28 @@ def test_functions_defined_in_a_notebook_reach_the_engines(pool):
     exec(NOTEBOOK_CELL, cell)
     mine = dict(model=cell["make_model"], dataset=cell["make_data"], loss=cell["mse"])
     ref = _losses(pool, strategy="single", micro_batch=16, **mine)
-    torch.testing.assert_close(_losses(pool, strategy="ddp", micro_batch=8, **mine), ref,
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        _losses(pool, strategy="ddp", micro_batch=8, **mine), ref, atol=1e-5, rtol=0
+    )
     nbpar.register_model("cell_net", mine["model"], dataset=mine["dataset"], loss=mine["loss"])
-    torch.testing.assert_close(_losses(pool, strategy="zero3", micro_batch=8, model="cell_net"),
-                               ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        _losses(pool, strategy="zero3", micro_batch=8, model="cell_net"), ref, atol=1e-5, rtol=0
+    )
 
 
 def test_a_factory_model_checkpoints_and_resumes(pool, tmp_path):
     """A callable factory is written as its "module:name"; resuming continues the curve."""
-    kw = dict(model=user_models.make_model, dataset=user_models.make_data,
-              loss=user_models.mse, strategy="zero2", micro_batch=8)
+    kw = dict(
+        model=user_models.make_model,
+        dataset=user_models.make_data,
+        loss=user_models.mse,
+        strategy="zero2",
+        micro_batch=8,
+    )
     whole = _losses(pool, **kw)
-    first = nbpar.TrainConfig(steps=10, seed=SEED, lr=1e-2, checkpoint_dir=str(tmp_path),
-                              checkpoint_every=10, **kw)
+    first = nbpar.TrainConfig(
+        steps=10, seed=SEED, lr=1e-2, checkpoint_dir=str(tmp_path), checkpoint_every=10, **kw
+    )
     pool.train(first).result()
     rest = _losses(pool, resume_from=str(tmp_path), **kw)
     torch.testing.assert_close(rest, whole[10:], atol=1e-5, rtol=0)

@@ -1,5 +1,6 @@
 """nbpar.log: records stay local outside an engine, reach the client's AsyncResult from an
 engine, and LogPlot draws them per rank."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -49,8 +50,11 @@ def test_logplot_one_line_per_rank_per_metric_growing_in_place():
     assert plot.update() is False and plot.figure.axes == []
     for step in range(3):
         for rank in (0, 1):
-            ars[rank].data[f"log/{step:08d}"] = {"rank": rank, "step": step,
-                                                 "loss": 3.0 - step + rank}
+            ars[rank].data[f"log/{step:08d}"] = {
+                "rank": rank,
+                "step": step,
+                "loss": 3.0 - step + rank,
+            }
     ars[1].data["run/00000000"] = {"step": 0}  # a training run's records are not logs
     assert plot.update() is True
     (ax,) = plot.figure.axes
@@ -69,9 +73,11 @@ def test_logplot_one_line_per_rank_per_metric_growing_in_place():
 
 @pytest.mark.timeout(120)
 def test_log_on_engines_reaches_the_async_results(pool):
-    code = ("import nbpar.train.userlog as ul\nul.reset()\n"
-            "for i in range(3):\n    ul.log(loss=float(i) + ul._rank())\n"
-            "n_local = len(ul.RECORDS)")
+    code = (
+        "import nbpar.train.userlog as ul\nul.reset()\n"
+        "for i in range(3):\n    ul.log(loss=float(i) + ul._rank())\n"
+        "n_local = len(ul.RECORDS)"
+    )
     ars = {r: pool.client[pool.engine_id(r)].execute(code, block=False) for r in range(2)}
     for ar in ars.values():
         ar.get(60)

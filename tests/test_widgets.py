@@ -2,6 +2,7 @@
 are hidden, every problem is listed at once in the labels' words with advice valid on
 this pool, number boxes refuse instead of changing a value, and Run cannot be pressed
 twice while a run goes."""
+
 from __future__ import annotations
 
 import re
@@ -25,10 +26,12 @@ class FakePool:
 
     def train(self, cfg):
         self.trained.append(cfg)
-        run = FakeRun(cfg=cfg, ranks=list(range(self.n)),
-                      history=history(cfg.steps, ranks=tuple(range(self.n)),
-                                      comm=(0.01,) * self.n),
-                      finished=self.finished)
+        run = FakeRun(
+            cfg=cfg,
+            ranks=list(range(self.n)),
+            history=history(cfg.steps, ranks=tuple(range(self.n)), comm=(0.01,) * self.n),
+            finished=self.finished,
+        )
         self.runs.append(run)
         return run
 
@@ -47,8 +50,9 @@ def test_defaults_are_valid_and_show_the_global_batch():
     assert picker.check() is None and picker.button.disabled is False
     assert picker.message == "ready: ddp/torch on 2 ranks, dp 2 × tp 1 × pp 1"
     _set(picker, micro_batch=4, grad_accum=3)
-    assert picker.batch_label.value == ("global batch = micro-batch × grad accum × dp = "
-                                        "4 × 3 × 2 = 24")
+    assert picker.batch_label.value == (
+        "global batch = micro-batch × grad accum × dp = 4 × 3 × 2 = 24"
+    )
     _set(picker, strategy="pipeline")
     assert picker.batch_label.value.endswith("4 × 3 × 1 = 12")
 
@@ -61,8 +65,9 @@ def test_every_strategy_the_pool_can_run_starts_valid(n):
         if n == 1 and strategy in ("pipeline", "tp"):  # one engine: nothing to split
             continue
         if n == 4 and strategy == "pipeline":  # 4 stages, tiny_gpt has 2 layers: explained
-            assert picker.problems == ["pp 4 pipeline stages need at least 4 layers, "
-                                       "the model's layers 2"]
+            assert picker.problems == [
+                "pp 4 pipeline stages need at least 4 layers, the model's layers 2"
+            ]
             continue
         assert picker.problems == [], (strategy, picker.problems)
         assert not picker.button.disabled and picker.message.startswith(f"ready: {strategy}/")
@@ -85,9 +90,11 @@ def test_pipeline_to_gpipe_and_back_never_traps():
     _set(picker, strategy="pipeline")
     assert picker.fields["schedule"].value == "gpipe" and picker.problems == []
     _set(picker, schedule="1f1b")  # 1F1B needs a micro-batch per stage: says how out
-    assert picker.message == ("cannot run: schedule 1f1b needs at least as many micro-batches "
-                              "(grad accum 1) as pipeline stages (pp 2); raise grad accum or "
-                              "use schedule gpipe")
+    assert picker.message == (
+        "cannot run: schedule 1f1b needs at least as many micro-batches "
+        "(grad accum 1) as pipeline stages (pp 2); raise grad accum or "
+        "use schedule gpipe"
+    )
     _set(picker, grad_accum=2)
     assert picker.problems == []
     _set(picker, schedule="gpipe", grad_accum=1)
@@ -112,14 +119,17 @@ def test_hybrid_starts_from_degrees_that_fit_and_advice_that_runs():
     assert [picker4.fields[k].value for k in ("dp", "tp", "pp")] == [2, 1, 2]
 
 
-@pytest.mark.parametrize("text, problem", [
-    ("0", "micro-batch must be a whole number of at least 1, got 0"),
-    ("-5", "micro-batch must be a whole number of at least 1, got -5"),
-    ("100000", "micro-batch 100000 is more than this picker runs (at most 4096)"),
-    ("7.5", "micro-batch must be a whole number, not 7.5"),
-    ("", "micro-batch is empty: type a whole number"),
-    ("eight", "micro-batch must be a whole number, not eight"),
-])
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ("0", "micro-batch must be a whole number of at least 1, got 0"),
+        ("-5", "micro-batch must be a whole number of at least 1, got -5"),
+        ("100000", "micro-batch 100000 is more than this picker runs (at most 4096)"),
+        ("7.5", "micro-batch must be a whole number, not 7.5"),
+        ("", "micro-batch is empty: type a whole number"),
+        ("eight", "micro-batch must be a whole number, not eight"),
+    ],
+)
 def test_number_boxes_refuse_instead_of_changing_the_value(text, problem):
     pool = FakePool(2)
     picker = StrategyPicker(pool, background=False)
@@ -148,20 +158,26 @@ def test_all_problems_at_once_in_the_labels_words():
         "grad accum must be a whole number, not 1.5",
         "strategy tp needs model tiny_gpt (it splits transformer layers), got simple_cnn",
         "precision fp16 needs backend deepspeed (its loss scaler); use bf16 or fp32 with "
-        "backend torch"]
+        "backend torch",
+    ]
     assert picker.message.startswith("cannot run:\n- grad accum")
     assert picker.explanation.value.count("<li>") == 3
     for p in picker.problems:
         assert not re.search(r"\w=|micro_batch|grad_accum|gpt\.|'", p), p  # no code syntax
 
 
-@pytest.mark.parametrize("values, reason", [
-    ({"offload": "optimizer", "backend": "deepspeed", "strategy": "ddp"},
-     "offload optimizer needs strategy zero1 or zero2 or zero3, got ddp"),
-    ({"strategy": "tp"}, "tp 4 must divide the model's attention heads 6"),
-    ({"strategy": "tp", "backend": "deepspeed"}, "backend deepspeed supports strategies"),
-    ({"strategy": "pipeline", "model": "simple_cnn"}, "needs model tiny_gpt"),
-])
+@pytest.mark.parametrize(
+    "values, reason",
+    [
+        (
+            {"offload": "optimizer", "backend": "deepspeed", "strategy": "ddp"},
+            "offload optimizer needs strategy zero1 or zero2 or zero3, got ddp",
+        ),
+        ({"strategy": "tp"}, "tp 4 must divide the model's attention heads 6"),
+        ({"strategy": "tp", "backend": "deepspeed"}, "backend deepspeed supports strategies"),
+        ({"strategy": "pipeline", "model": "simple_cnn"}, "needs model tiny_gpt"),
+    ],
+)
 def test_invalid_combinations_are_explained_before_launch(values, reason):
     pool = FakePool(4)
     picker = StrategyPicker(pool, background=False, gpt=GPTConfig(d_model=24, n_heads=6))
@@ -175,20 +191,35 @@ def test_invalid_combinations_are_explained_before_launch(values, reason):
 def test_run_button_trains_the_widgets_config_and_lists_the_run():
     pool = FakePool(2)
     picker = StrategyPicker(pool, background=False)
-    _set(picker, strategy="zero1", backend="deepspeed", micro_batch=4, grad_accum=2,
-         steps=5, precision="bf16", offload="optimizer")
+    _set(
+        picker,
+        strategy="zero1",
+        backend="deepspeed",
+        micro_batch=4,
+        grad_accum=2,
+        steps=5,
+        precision="bf16",
+        offload="optimizer",
+    )
     picker.button.click()
     (cfg,) = pool.trained
-    assert (cfg.strategy, cfg.backend, cfg.micro_batch, cfg.grad_accum, cfg.steps,
-            cfg.precision, cfg.offload) == ("zero1", "deepspeed", 4, 2, 5, "bf16",
-                                            "optimizer")
+    assert (
+        cfg.strategy,
+        cfg.backend,
+        cfg.micro_batch,
+        cfg.grad_accum,
+        cfg.steps,
+        cfg.precision,
+        cfg.offload,
+    ) == ("zero1", "deepspeed", 4, 2, 5, "bf16", "optimizer")
     assert cfg == picker.config()
     assert picker.run is pool.runs[0] and picker.runs == [picker.run]
     assert isinstance(picker.dashboard, Dashboard)
     assert picker.dashboard.text == "done: 5/5 steps · 0.1 s/step"
     assert picker.dashboard.chart.points("loss") == 5
-    assert "<td>picker.runs[0]</td>" in picker.runs_list.value.replace("<code>", "") \
-        .replace("</code>", "")
+    assert "<td>picker.runs[0]</td>" in picker.runs_list.value.replace("<code>", "").replace(
+        "</code>", ""
+    )
     assert "zero1/deepspeed tiny_gpt" in picker.runs_list.value
     assert "<td>done</td>" in picker.runs_list.value
     assert picker.button.description == "Run" and not picker.button.disabled

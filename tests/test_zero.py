@@ -2,6 +2,7 @@
 
 The model, data and reference live in tests/reference/mlp.py.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -33,9 +34,14 @@ def _run_torch(rank, world, cfgs):
         losses = train(runner, rank, cfg)
         # nested lists: tensors would travel between processes through shared memory
         params = {n: t.tolist() for n, t in runner.full_parameters().items()}
-        results.append({"losses": losses, "params": params,
-                        "memory": runner.memory(),
-                        "dtensor": all(hasattr(p, "to_local") for p in runner.parameters())})
+        results.append(
+            {
+                "losses": losses,
+                "params": params,
+                "memory": runner.memory(),
+                "dtensor": all(hasattr(p, "to_local") for p in runner.parameters()),
+            }
+        )
         runner.close()
     return results
 
@@ -64,24 +70,31 @@ def test_torch_zero_stages_match_single_process_adam():
 
 @pytest.mark.timeout(180)
 def test_torch_zero_bf16_within_tolerance_and_reshard_override():
-    cfgs = [make_cfg("zero1", precision="bf16"), make_cfg("zero3", precision="bf16"),
-            make_cfg("zero3", fsdp_reshard=False)]
+    cfgs = [
+        make_cfg("zero1", precision="bf16"),
+        make_cfg("zero3", precision="bf16"),
+        make_cfg("zero3", fsdp_reshard=False),
+    ]
     out = run_distributed(_run_torch, WORLD, cfgs, timeout=170)
     ref = reference()
     for rank in range(WORLD):
         for i in (0, 1):
-            check_against_reference(out[rank][i], ref, loss_atol=BF16_LOSS_ATOL,
-                                    param_atol=BF16_PARAM_ATOL)
+            check_against_reference(
+                out[rank][i], ref, loss_atol=BF16_LOSS_ATOL, param_atol=BF16_PARAM_ATOL
+            )
             # bf16 really changed the numerics (not silently fp32)
             assert max(abs(a - b) for a, b in zip(out[rank][i]["losses"], ref[0])) > 1e-6
         check_against_reference(out[rank][2], ref)
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(precision="fp16"), "fp16"),
-    (dict(offload="optimizer"), "deepspeed"),
-    (dict(optimizer="lamb"), "lamb"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(precision="fp16"), "fp16"),
+        (dict(offload="optimizer"), "deepspeed"),
+        (dict(optimizer="lamb"), "lamb"),
+    ],
+)
 def test_torch_zero_rejects_bad_config_before_any_work(kw, match):
     from nbpar.parallel.zero import build_runner
 

@@ -1,4 +1,5 @@
 """ZeRO/FSDP on the dp dimension combined with tensor parallel, through TrainConfig."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,12 +20,12 @@ def _train(rank, world, strategy):
 
 @pytest.mark.timeout(300)
 def test_zero3_with_tp_matches_single_and_shards_params():
-    ref = run_training(TrainConfig(model="tiny_gpt", strategy="single", micro_batch=8,
-                                   steps=STEPS))
+    ref = run_training(TrainConfig(model="tiny_gpt", strategy="single", micro_batch=8, steps=STEPS))
     results = run_distributed(_train, 4, "zero3")
     for losses, param_bytes in results:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["losses"]),
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(ref["losses"]), atol=1e-5, rtol=0
+        )
         # dp=2 x tp=2: each rank keeps about a quarter of the sharded weights
         assert param_bytes < ref["param_bytes"] / 2
 
@@ -37,8 +38,11 @@ def test_tp_on_zero_needs_a_divisor_of_the_engines():
 
 def _three_runs(rank, world):
     out = []
-    for kwargs in (dict(strategy="hybrid", dp=2, tp=2), dict(strategy="zero3", tp=2),
-                   dict(strategy="hybrid", dp=2, tp=2)):
+    for kwargs in (
+        dict(strategy="hybrid", dp=2, tp=2),
+        dict(strategy="zero3", tp=2),
+        dict(strategy="hybrid", dp=2, tp=2),
+    ):
         cfg = TrainConfig(model="tiny_gpt", micro_batch=4, steps=2, **kwargs)
         out.append(run_training(cfg)["losses"])
     return out

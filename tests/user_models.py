@@ -1,4 +1,5 @@
 """A user's own model, data and loss, importable as "tests.user_models:..." strings."""
+
 from __future__ import annotations
 
 import torch

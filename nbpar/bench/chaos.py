@@ -8,6 +8,7 @@ rank, at which step, the checkpoint it resumed from, seconds until the pool was 
 (``recovery_s``) and until the resumed run was again at the step of the kill
 (``lost_s``: the restart plus the steps done again).
 """
+
 from __future__ import annotations
 
 import os
@@ -38,8 +39,9 @@ def chaos_train(pool, cfg, kills: int, seed: int = 0, timeout: float = 300.0) ->
     from nbpar.train.checkpoint_meta import latest, read_meta
 
     if not (pool.auto_restart and cfg.checkpoint_dir and cfg.checkpoint_every):
-        raise ValueError("chaos needs Pool(restart='auto') and a config with "
-                         "checkpoint_dir and checkpoint_every")
+        raise ValueError(
+            "chaos needs Pool(restart='auto') and a config with checkpoint_dir and checkpoint_every"
+        )
     rng = random.Random(seed)
     curve: dict[int, float] = {}
     events: list[dict] = []
@@ -70,5 +72,12 @@ def chaos_train(pool, cfg, kills: int, seed: int = 0, timeout: float = 300.0) ->
         else:
             raise RuntimeError("the run finished although an engine was killed")
         curve.update({rec["step"]: rec["loss"] for rec in run.history})
-        events.append({"rank": rank, "step": step, "time": wall, "lost_s": None,
-                       "recovery_s": time.monotonic() - t_kill})
+        events.append(
+            {
+                "rank": rank,
+                "step": step,
+                "time": wall,
+                "lost_s": None,
+                "recovery_s": time.monotonic() - t_kill,
+            }
+        )

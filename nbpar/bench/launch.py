@@ -12,17 +12,19 @@ Then, the baseline shut down, ``restart_s``: a hung cell times out, and
 ``pool.restart()`` to a completed all_reduce once the spare engines it started
 have registered; ``restart_cold_s``: a restart with no spares prepared.
 """
+
 from __future__ import annotations
 
 import socket
 import statistics
 import time
 
-ALLREDUCE = ("import torch, torch.distributed as dist\n"
-             "t = torch.ones(1)\ndist.all_reduce(t)")
+ALLREDUCE = "import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)"
 #: A cell where rank 1 waits in an all_reduce that rank 0 never joins.
-HANG = ("import torch, torch.distributed as dist\n"
-        "if dist.get_rank() == 1:\n    dist.all_reduce(torch.ones(1))")
+HANG = (
+    "import torch, torch.distributed as dist\n"
+    "if dist.get_rank() == 1:\n    dist.all_reduce(torch.ones(1))"
+)
 
 
 def _hand_init(port):
@@ -57,8 +59,9 @@ def start_baseline(n: int):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     view.scatter("RANK", list(range(n)), flatten=True, block=True)
-    view.execute("import os; os.environ['RANK'] = str(RANK); "
-                 f"os.environ['WORLD_SIZE'] = '{n}'", block=True)
+    view.execute(
+        f"import os; os.environ['RANK'] = str(RANK); os.environ['WORLD_SIZE'] = '{n}'", block=True
+    )
     view.apply_sync(_hand_init, port)
     view.execute(ALLREDUCE, block=True)
     return cluster, view, time.perf_counter() - t0
@@ -102,8 +105,10 @@ def bench_launch(engines: int = 2, reps: int = 30) -> dict:
         try:
             cells = {k: [] for k in ("ours_cell", "base_cell", "ours_ar", "base_ar")}
             for i in range(reps + 1):  # the first round warms up
-                order = [("ours", lambda c: pool.execute(c)),
-                         ("base", lambda c: view.execute(c, silent=False, block=True))]
+                order = [
+                    ("ours", lambda c: pool.execute(c)),
+                    ("base", lambda c: view.execute(c, silent=False, block=True)),
+                ]
                 for who, run in order if i % 2 else order[::-1]:
                     cell = _timed_ms(lambda run=run: run("pass"))
                     ar = _timed_ms(lambda run=run: run(ALLREDUCE))
@@ -119,6 +124,12 @@ def bench_launch(engines: int = 2, reps: int = 30) -> dict:
     med = {k: statistics.median(v) for k, v in cells.items()}
     ours = {"ready_s": ours_ready, "cell_ms": med["ours_cell"], "allreduce_ms": med["ours_ar"]}
     base = {"ready_s": base_ready, "cell_ms": med["base_cell"], "allreduce_ms": med["base_ar"]}
-    return {**ours, "baseline": base, "ratio": {k: ours[k] / base[k] for k in ours},
-            "restart_s": restart_s, "restart_cold_s": restart_cold_s,
-            "engines": engines, "reps": reps}
+    return {
+        **ours,
+        "baseline": base,
+        "ratio": {k: ours[k] / base[k] for k in ours},
+        "restart_s": restart_s,
+        "restart_cold_s": restart_cold_s,
+        "engines": engines,
+        "reps": reps,
+    }

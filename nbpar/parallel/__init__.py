@@ -7,6 +7,7 @@ only on the engines that use it. The shared helpers every strategy needs to
 build its optimizer and autocast the same way live here too:
 `make_optimizer(params, cfg)` and `autocast_dtype(cfg)`.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -15,10 +16,15 @@ import importlib
 # backend None = any backend.
 DISPATCH = {
     ("ddp", "torch"): "ddp",
-    ("zero1", "torch"): "zero", ("zero2", "torch"): "zero", ("zero3", "torch"): "zero",
-    ("ddp", "deepspeed"): "deepspeed", ("zero1", "deepspeed"): "deepspeed",
-    ("zero2", "deepspeed"): "deepspeed", ("zero3", "deepspeed"): "deepspeed",
-    ("pipeline", "torch"): "pipeline", ("pipeline", "deepspeed"): "ds_pipeline",
+    ("zero1", "torch"): "zero",
+    ("zero2", "torch"): "zero",
+    ("zero3", "torch"): "zero",
+    ("ddp", "deepspeed"): "deepspeed",
+    ("zero1", "deepspeed"): "deepspeed",
+    ("zero2", "deepspeed"): "deepspeed",
+    ("zero3", "deepspeed"): "deepspeed",
+    ("pipeline", "torch"): "pipeline",
+    ("pipeline", "deepspeed"): "ds_pipeline",
     ("tp", None): "tensor",
     ("hybrid", None): "hybrid",
 }
@@ -32,8 +38,9 @@ def optimizer_spec(cfg):
 
     classes = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
     if cfg.optimizer not in classes:
-        raise ValueError(f"optimizer={cfg.optimizer!r} is not supported; choose "
-                         f"{', '.join(classes)}")
+        raise ValueError(
+            f"optimizer={cfg.optimizer!r} is not supported; choose {', '.join(classes)}"
+        )
     kwargs = {"lr": cfg.lr, "weight_decay": 0.0, **(cfg.optimizer_params or {})}
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
@@ -63,8 +70,13 @@ def build_single_runner(model, cfg, mesh=None):
     from nbpar.parallel.runner import StepRunner
     from nbpar.train.models import loss_fn
 
-    return StepRunner(model, make_optimizer(model.parameters(), cfg), loss_fn(cfg),
-                      autocast_dtype=autocast_dtype(cfg), device_type=model_device_type(model))
+    return StepRunner(
+        model,
+        make_optimizer(model.parameters(), cfg),
+        loss_fn(cfg),
+        autocast_dtype=autocast_dtype(cfg),
+        device_type=model_device_type(model),
+    )
 
 
 def strategy_module(strategy: str, backend: str) -> str | None:

@@ -5,6 +5,7 @@ all-reduces that overlap with backward. With gradient accumulation only the
 last micro-batch synchronises: the others run under ``no_sync()``, so a step
 costs one all-reduce round however many micro-batches it has.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,8 +26,9 @@ def apply_ddp(model, dp_mesh, *, timer: CommTimer | None = None) -> DistributedD
     ``timer``, every bucket's all-reduce is timed by a comm hook that calls
     the default all-reduce hook (same numerics).
     """
-    device_ids = None if model_device_type(model) == "cpu" else \
-        [next(model.parameters()).device.index]
+    device_ids = (
+        None if model_device_type(model) == "cpu" else [next(model.parameters()).device.index]
+    )
     ddp = DistributedDataParallel(model, device_ids=device_ids, device_mesh=dp_mesh)
     if timer is not None:
         ddp.register_comm_hook(HookState(dp_mesh.get_group(), timer), timed_allreduce_hook)
@@ -60,6 +62,11 @@ def build_runner(model, cfg, mesh) -> DDPRunner:
     """DDP over ``mesh["dp"]`` with the optimizer and precision of ``cfg``."""
     timer = CommTimer()
     ddp = apply_ddp(model, mesh["dp"], timer=timer)
-    return DDPRunner(ddp, make_optimizer(ddp.parameters(), cfg), loss_fn(cfg),
-                     timer=timer, autocast_dtype=autocast_dtype(cfg),
-                     device_type=model_device_type(model))
+    return DDPRunner(
+        ddp,
+        make_optimizer(ddp.parameters(), cfg),
+        loss_fn(cfg),
+        timer=timer,
+        autocast_dtype=autocast_dtype(cfg),
+        device_type=model_device_type(model),
+    )

@@ -5,6 +5,7 @@ The engine runs on the process group that already exists; on CPU it never
 compiles anything: the shm comm op is switched off and the optimizer is a
 client torch optimizer built from the config's "optimizer" section.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,11 +27,19 @@ from nbpar.parallel.ds_config import (
 from nbpar.parallel.runner import StepRunner, tensor_bytes
 
 # optimizer attributes that hold fp32 master copies (stage 0-3, bf16/fp16 wrappers)
-_MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat",
-                 "fp32_groups_flat_partition", "fp32_groups_flat", "fp32_groups")
+_MASTER_ATTRS = (
+    "single_partition_of_fp32_groups",
+    "fp32_partitioned_groups_flat",
+    "fp32_groups_flat_partition",
+    "fp32_groups_flat",
+    "fp32_groups",
+)
 # optimizer attributes that keep gradient partitions alive between steps
-_GRAD_ATTRS = ("averaged_gradients", "grad_partitions_flat_buffer",
-               "fp32_groups_gradient_flat_partition")
+_GRAD_ATTRS = (
+    "averaged_gradients",
+    "grad_partitions_flat_buffer",
+    "fp32_groups_gradient_flat_partition",
+)
 
 
 def _view_bytes(tensors) -> int:
@@ -44,8 +53,7 @@ def _view_bytes(tensors) -> int:
         key = t.untyped_storage().data_ptr()
         regions = storages.setdefault(key, (t.untyped_storage().nbytes(), set()))[1]
         regions.add((t.data_ptr(), t.numel() * t.element_size()))
-    return sum(min(limit, sum(size for _, size in regions))
-               for limit, regions in storages.values())
+    return sum(min(limit, sum(size for _, size in regions)) for limit, regions in storages.values())
 
 
 def import_deepspeed():
@@ -60,9 +68,12 @@ def import_deepspeed():
     # its per-engine INFO banner would fill every notebook cell's output
     deepspeed.utils.logger.setLevel(logging.WARNING)
     # DeepSpeed still calls collectives torch has renamed; one warning per call
-    warnings.filterwarnings("ignore", category=FutureWarning,
-                            message=r".*torch\.distributed\.(all_gather_into_tensor|"
-                                    r"reduce_scatter_tensor).*deprecated")
+    warnings.filterwarnings(
+        "ignore",
+        category=FutureWarning,
+        message=r".*torch\.distributed\.(all_gather_into_tensor|"
+        r"reduce_scatter_tensor).*deprecated",
+    )
     return deepspeed
 
 
@@ -87,8 +98,7 @@ def client_optimizer(section: dict, params) -> torch.optim.Optimizer:
     weight_decay 0, which torch.optim.AdamW reproduces without compiled ops.
     """
     kind = optimizer_kind(section)
-    p = {k: v for k, v in (section.get("params") or {}).items()
-         if k not in DEEPSPEED_ONLY_PARAMS}
+    p = {k: v for k, v in (section.get("params") or {}).items() if k not in DEEPSPEED_ONLY_PARAMS}
     if "betas" in p:
         p["betas"] = tuple(p["betas"])
     classes = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
@@ -150,14 +160,21 @@ class DeepSpeedRunner(StepRunner):
         self.engine = engine
         self.config = config
         self.stage = config["zero_optimization"]["stage"]
-        self.dtype = (torch.float16 if engine.fp16_enabled() else
-                      torch.bfloat16 if engine.bfloat16_enabled() else torch.float32)
+        self.dtype = (
+            torch.float16
+            if engine.fp16_enabled()
+            else torch.bfloat16
+            if engine.bfloat16_enabled()
+            else torch.float32
+        )
 
     def train_step(self, micro_batches):
         gas = self.engine.gradient_accumulation_steps()
         if len(micro_batches) != gas:
-            raise ValueError(f"got {len(micro_batches)} micro-batches, the DeepSpeed engine "
-                             f"accumulates over gradient_accumulation_steps={gas}")
+            raise ValueError(
+                f"got {len(micro_batches)} micro-batches, the DeepSpeed engine "
+                f"accumulates over gradient_accumulation_steps={gas}"
+            )
         losses = []
         for i, (x, y) in enumerate(micro_batches):
             if x.is_floating_point():
@@ -216,10 +233,12 @@ class DeepSpeedRunner(StepRunner):
             offloaded += masters + state
         if offload_device(zero, "offload_param") != "none":
             offloaded += shards
-        return {"param_bytes": tensor_bytes(params + shards),
-                "grad_bytes": max(self._grad_bytes(), getattr(self, "_boundary_grad_bytes", 0)),
-                "optim_bytes": tensor_bytes(masters + state),
-                "offload_bytes": tensor_bytes(offloaded)}
+        return {
+            "param_bytes": tensor_bytes(params + shards),
+            "grad_bytes": max(self._grad_bytes(), getattr(self, "_boundary_grad_bytes", 0)),
+            "optim_bytes": tensor_bytes(masters + state),
+            "offload_bytes": tensor_bytes(offloaded),
+        }
 
     def close(self) -> None:
         """Destroy the engine and drop every reference to it (idempotent), so
@@ -275,12 +294,15 @@ def initialize(model, config: dict, mesh=None):
     mpu = None
     if mesh is not None:
         if mesh["pp"].size() > 1:
-            raise ValueError("the DeepSpeed ZeRO engine does not run pipeline stages; "
-                             "use strategy='pipeline' with backend='deepspeed' for pp > 1")
+            raise ValueError(
+                "the DeepSpeed ZeRO engine does not run pipeline stages; "
+                "use strategy='pipeline' with backend='deepspeed' for pp > 1"
+            )
         if mesh["dp"].size() != mesh.size():
             mpu = MeshMPU(mesh)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config,
-                                           mpu=mpu, dist_init_required=False)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=opt, config=config, mpu=mpu, dist_init_required=False
+    )
     return engine
 
 
@@ -290,11 +312,14 @@ def build_runner(model, cfg, mesh, loss=None) -> DeepSpeedRunner:
     ``loss`` defaults to ``nbpar.train.models.loss_fn(cfg)``.
     """
     if cfg.strategy not in ("ddp", "zero1", "zero2", "zero3"):
-        raise ValueError(f"the DeepSpeed ZeRO runner takes strategy ddp, zero1, zero2 or "
-                         f"zero3, got {cfg.strategy!r}")
+        raise ValueError(
+            f"the DeepSpeed ZeRO runner takes strategy ddp, zero1, zero2 or "
+            f"zero3, got {cfg.strategy!r}"
+        )
     config = ds_config_for(cfg, mesh["dp"].size())
     if loss is None:
         from nbpar.train.models import loss_fn
+
         loss = loss_fn(cfg)
     engine = initialize(model, config, mesh)
     return DeepSpeedRunner(engine, loss, config)

@@ -8,6 +8,7 @@ that disagrees with it (batch sizes, ZeRO stage, precision, offload, lr) is a
 ValueError naming both, never silently overridden. Imports neither torch nor
 deepspeed, so the client can check a config cheaply.
 """
+
 from __future__ import annotations
 
 import copy
@@ -17,45 +18,126 @@ import json
 # Top-level keys of DeepSpeed's documented config (deepspeed.ai/docs/config-json,
 # runtime/config.py of deepspeed 0.19).
 TOP_LEVEL_KEYS = (
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-    "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "amp", "torch_autocast",
-    "data_types", "communication_data_type", "seq_parallel_communication_data_type",
-    "gradient_clipping", "prescale_gradients", "gradient_predivide_factor",
-    "gradient_allreduce_op", "sparse_gradients", "zero_optimization",
-    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "steps_per_print",
-    "wall_clock_breakdown", "dump_state", "memory_breakdown", "log_level",
-    "disable_allgather", "dataloader_drop_last", "disable_python_gc",
-    "managed_gradient_accumulation", "activation_checkpointing", "flops_profiler",
-    "comms_logger", "tensorboard", "wandb", "csv_monitor", "comet", "aim", "monitor_config",
-    "sparse_attention", "pipeline", "data_efficiency", "curriculum_learning",
-    "elasticity", "autotuning", "compression_training", "checkpoint", "aio", "nebula",
-    "hybrid_engine", "quantize_training", "eigenvalue", "progressive_layer_drop",
-    "weight_quantization", "expert_parallel", "use_data_before_expert_parallelism",
-    "vocabulary_size", "compile", "tensor_parallel", "sequence_parallel_size",
-    "timers", "graph_harvesting", "zero_quantized_weights",
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "optimizer",
+    "scheduler",
+    "fp16",
+    "bf16",
+    "bfloat16",
+    "amp",
+    "torch_autocast",
+    "data_types",
+    "communication_data_type",
+    "seq_parallel_communication_data_type",
+    "gradient_clipping",
+    "prescale_gradients",
+    "gradient_predivide_factor",
+    "gradient_allreduce_op",
+    "sparse_gradients",
+    "zero_optimization",
+    "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "dump_state",
+    "memory_breakdown",
+    "log_level",
+    "disable_allgather",
+    "dataloader_drop_last",
+    "disable_python_gc",
+    "managed_gradient_accumulation",
+    "activation_checkpointing",
+    "flops_profiler",
+    "comms_logger",
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "comet",
+    "aim",
+    "monitor_config",
+    "sparse_attention",
+    "pipeline",
+    "data_efficiency",
+    "curriculum_learning",
+    "elasticity",
+    "autotuning",
+    "compression_training",
+    "checkpoint",
+    "aio",
+    "nebula",
+    "hybrid_engine",
+    "quantize_training",
+    "eigenvalue",
+    "progressive_layer_drop",
+    "weight_quantization",
+    "expert_parallel",
+    "use_data_before_expert_parallelism",
+    "vocabulary_size",
+    "compile",
+    "tensor_parallel",
+    "sequence_parallel_size",
+    "timers",
+    "graph_harvesting",
+    "zero_quantized_weights",
 )
 
 # Keys of "zero_optimization" (DeepSpeedZeroConfig fields and their aliases).
 ZERO_KEYS = (
-    "stage", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size",
-    "use_multi_rank_bucket_allreduce", "allgather_partitions", "allgather_bucket_size",
-    "overlap_comm", "compute_grad_norm", "load_from_fp32_weights", "elastic_checkpoint",
-    "offload_param", "offload_optimizer", "zenflow", "sub_group_size", "cpu_offload",
-    "cpu_offload_param", "cpu_offload_use_pin_memory", "prefetch_bucket_size",
-    "stage3_prefetch_bucket_size", "param_persistence_threshold",
-    "stage3_param_persistence_threshold", "model_persistence_threshold",
-    "stage3_model_persistence_threshold", "max_live_parameters",
-    "stage3_max_live_parameters", "max_reuse_distance", "stage3_max_reuse_distance",
-    "gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
-    "stage3_gather_fp16_weights_on_model_save", "module_granularity_threshold",
-    "stage3_module_granularity_threshold", "use_all_reduce_for_fetch_params",
-    "stage3_use_all_reduce_for_fetch_params", "allgather_sequential",
-    "stage3_allgather_sequential", "ignore_unused_parameters", "legacy_stage1",
-    "round_robin_gradients", "parameter_alignment", "zero_hpz_partition_size",
-    "zero_quantized_weights", "zero_quantized_nontrainable_weights",
-    "zero_quantized_gradients", "memory_efficient_linear", "pipeline_loading_checkpoint",
-    "override_module_apply", "log_trace_cache_warnings", "enable_sanity_checks",
-    "save_muon_momentum_buffer_in_memory", "leaf_module", "mics_shard_size",
+    "stage",
+    "contiguous_gradients",
+    "reduce_scatter",
+    "reduce_bucket_size",
+    "use_multi_rank_bucket_allreduce",
+    "allgather_partitions",
+    "allgather_bucket_size",
+    "overlap_comm",
+    "compute_grad_norm",
+    "load_from_fp32_weights",
+    "elastic_checkpoint",
+    "offload_param",
+    "offload_optimizer",
+    "zenflow",
+    "sub_group_size",
+    "cpu_offload",
+    "cpu_offload_param",
+    "cpu_offload_use_pin_memory",
+    "prefetch_bucket_size",
+    "stage3_prefetch_bucket_size",
+    "param_persistence_threshold",
+    "stage3_param_persistence_threshold",
+    "model_persistence_threshold",
+    "stage3_model_persistence_threshold",
+    "max_live_parameters",
+    "stage3_max_live_parameters",
+    "max_reuse_distance",
+    "stage3_max_reuse_distance",
+    "gather_16bit_weights_on_model_save",
+    "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save",
+    "module_granularity_threshold",
+    "stage3_module_granularity_threshold",
+    "use_all_reduce_for_fetch_params",
+    "stage3_use_all_reduce_for_fetch_params",
+    "allgather_sequential",
+    "stage3_allgather_sequential",
+    "ignore_unused_parameters",
+    "legacy_stage1",
+    "round_robin_gradients",
+    "parameter_alignment",
+    "zero_hpz_partition_size",
+    "zero_quantized_weights",
+    "zero_quantized_nontrainable_weights",
+    "zero_quantized_gradients",
+    "memory_efficient_linear",
+    "pipeline_loading_checkpoint",
+    "override_module_apply",
+    "log_trace_cache_warnings",
+    "enable_sanity_checks",
+    "save_muon_momentum_buffer_in_memory",
+    "leaf_module",
+    "mics_shard_size",
     "mics_hierarchical_params_gather",
 )
 
@@ -66,15 +148,23 @@ STRATEGY_OF_STAGE = {v: k for k, v in STAGE_OF.items()}
 TORCH_OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}
 # optimizer params nbpar passes on to torch (besides lr), per kind; DeepSpeed-only
 # switches that change nothing for a torch optimizer are dropped
-OPTIMIZER_PARAMS = {"adam": ("betas", "eps", "weight_decay", "amsgrad"),
-                    "sgd": ("momentum", "dampening", "weight_decay", "nesterov")}
+OPTIMIZER_PARAMS = {
+    "adam": ("betas", "eps", "weight_decay", "amsgrad"),
+    "sgd": ("momentum", "dampening", "weight_decay", "nesterov"),
+}
 OPTIMIZER_PARAMS["adamw"] = OPTIMIZER_PARAMS["adam"]
 DEEPSPEED_ONLY_PARAMS = ("adam_w_mode", "torch_adam", "bias_correction", "fused")
 # zero_optimization sizes that the Hugging Face integration writes as "auto" (it
 # derives them from the hidden size); nbpar leaves them to DeepSpeed's defaults
-AUTO_SIZES = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
-              "prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
-              "sub_group_size")
+AUTO_SIZES = (
+    "reduce_bucket_size",
+    "allgather_bucket_size",
+    "stage3_prefetch_bucket_size",
+    "prefetch_bucket_size",
+    "stage3_max_live_parameters",
+    "stage3_max_reuse_distance",
+    "sub_group_size",
+)
 
 
 def _check_keys(d: dict, known, where: str) -> None:
@@ -90,8 +180,9 @@ def load_ds_config(d: dict | str) -> dict:
     if isinstance(d, dict):
         return copy.deepcopy(d)
     if not isinstance(d, str):
-        raise TypeError(f"deepspeed_config must be a dict or a path to a JSON file, "
-                        f"got {type(d).__name__}")
+        raise TypeError(
+            f"deepspeed_config must be a dict or a path to a JSON file, got {type(d).__name__}"
+        )
     try:
         with open(d) as f:
             text = f.read()
@@ -100,11 +191,14 @@ def load_ds_config(d: dict | str) -> dict:
     try:
         out = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"DeepSpeed config file {d!r} is not valid JSON: line {e.lineno} "
-                         f"column {e.colno}: {e.msg}") from None
+        raise ValueError(
+            f"DeepSpeed config file {d!r} is not valid JSON: line {e.lineno} "
+            f"column {e.colno}: {e.msg}"
+        ) from None
     if not isinstance(out, dict):
-        raise ValueError(f"DeepSpeed config file {d!r} must hold a JSON object, "
-                         f"got {type(out).__name__}")
+        raise ValueError(
+            f"DeepSpeed config file {d!r} must hold a JSON object, got {type(out).__name__}"
+        )
     return out
 
 
@@ -128,8 +222,10 @@ def validate_ds_config(d: dict | str) -> dict:
             continue
         dev = sec.get("device", "none") if isinstance(sec, dict) else sec
         if dev not in OFFLOAD_DEVICES:
-            raise ValueError(f"zero_optimization.{what}.device must be one of "
-                             f"{', '.join(OFFLOAD_DEVICES)}, got {dev!r}")
+            raise ValueError(
+                f"zero_optimization.{what}.device must be one of "
+                f"{', '.join(OFFLOAD_DEVICES)}, got {dev!r}"
+            )
     return d
 
 
@@ -155,20 +251,25 @@ def _legacy_offload(zero: dict) -> None:
 
 
 def optimizer_kind(section: dict) -> str:
-    """"adam", "adamw" or "sgd" as DeepSpeed reads an "optimizer" section: its
+    """ "adam", "adamw" or "sgd" as DeepSpeed reads an "optimizer" section: its
     "Adam" is decoupled (AdamW) unless ``adam_w_mode`` is false."""
     kind = str(section.get("type", "")).lower()
     if kind not in TORCH_OPTIMIZERS:
-        raise ValueError(f"optimizer type {section.get('type')!r} needs DeepSpeed's compiled "
-                         f"ops; use one of {', '.join(TORCH_OPTIMIZERS.values())}")
+        raise ValueError(
+            f"optimizer type {section.get('type')!r} needs DeepSpeed's compiled "
+            f"ops; use one of {', '.join(TORCH_OPTIMIZERS.values())}"
+        )
     if kind == "adam" and (section.get("params") or {}).get("adam_w_mode", True):
         return "adamw"
     return kind
 
 
 def _precision_of(d: dict) -> str | None:
-    sections = {"bf16" if n == "bfloat16" else n: d[n] for n in ("fp16", "bf16", "bfloat16")
-                if isinstance(d.get(n), dict)}
+    sections = {
+        "bf16" if n == "bfloat16" else n: d[n]
+        for n in ("fp16", "bf16", "bfloat16")
+        if isinstance(d.get(n), dict)
+    }
     on = [n for n, sec in sections.items() if sec.get("enabled") is True]
     if len(on) > 1:
         raise ValueError("deepspeed_config enables both fp16 and bf16; enable one")
@@ -191,8 +292,10 @@ def train_settings(d: dict) -> dict:
     out = {}
     if zero.get("stage") in STRATEGY_OF_STAGE:
         out["strategy"] = STRATEGY_OF_STAGE[zero["stage"]]
-    for key, name in (("train_micro_batch_size_per_gpu", "micro_batch"),
-                      ("gradient_accumulation_steps", "grad_accum")):
+    for key, name in (
+        ("train_micro_batch_size_per_gpu", "micro_batch"),
+        ("gradient_accumulation_steps", "grad_accum"),
+    ):
         if _set(d.get(key)):
             out[name] = d[key]
     precision = _precision_of(d)
@@ -210,8 +313,11 @@ def train_settings(d: dict) -> dict:
         params = sec.get("params") or {}
         if _set(params.get("lr")):
             out["lr"] = params["lr"]
-        extra = {k: (list(v) if isinstance(v, tuple) else v) for k, v in params.items()
-                 if k in OPTIMIZER_PARAMS[kind] and _set(v)}
+        extra = {
+            k: (list(v) if isinstance(v, tuple) else v)
+            for k, v in params.items()
+            if k in OPTIMIZER_PARAMS[kind] and _set(v)
+        }
         if extra:
             out["optimizer_params"] = extra
     if _set(d.get("gradient_clipping")):
@@ -225,23 +331,29 @@ def _agree(d: dict, key: str, want, label: str) -> None:
     """Set ``d[key] = want`` unless it is already set to something else ("auto" is
     filled in, as the Hugging Face Trainer does)."""
     if key in d and d[key] != "auto" and d[key] != want:
-        raise ValueError(f"deepspeed_config sets {label}={d[key]!r} but the TrainConfig asks "
-                         f"for {want!r}; make them agree")
+        raise ValueError(
+            f"deepspeed_config sets {label}={d[key]!r} but the TrainConfig asks "
+            f"for {want!r}; make them agree"
+        )
     d[key] = want
 
 
 def _precision(d: dict, precision: str) -> None:
     if isinstance(d.get("amp"), dict) and d["amp"].get("enabled"):
-        raise ValueError("deepspeed_config enables 'amp' (NVIDIA Apex), which nbpar does not "
-                         "support; use precision='fp16' or 'bf16' instead")
+        raise ValueError(
+            "deepspeed_config enables 'amp' (NVIDIA Apex), which nbpar does not "
+            "support; use precision='fp16' or 'bf16' instead"
+        )
     for name in ("fp16", "bf16", "bfloat16"):
         sec = d.get(name)
         if isinstance(sec, dict) and sec.get("enabled") == "auto":
             sec["enabled"] = ("bf16" if name == "bfloat16" else name) == precision
     have = _precision_of(d)
     if have is not None and have != precision:
-        raise ValueError(f"deepspeed_config enables {have} but the TrainConfig asks for "
-                         f"precision={precision!r}; make them agree")
+        raise ValueError(
+            f"deepspeed_config enables {have} but the TrainConfig asks for "
+            f"precision={precision!r}; make them agree"
+        )
     if precision != "fp32" and have is None:
         d[precision] = {**d.get(precision, {}), "enabled": True}
 
@@ -256,19 +368,25 @@ def _offload(zero: dict, offload: str, stage: int) -> None:
     for what, want in (("offload_optimizer", want_opt), ("offload_param", want_par)):
         have = offload_device(zero, what)
         if have == "nvme":
-            raise ValueError("NVMe offload needs DeepSpeed's compiled async_io op, which "
-                             "nbpar never builds; use device 'cpu'")
+            raise ValueError(
+                "NVMe offload needs DeepSpeed's compiled async_io op, which "
+                "nbpar never builds; use device 'cpu'"
+            )
         if what in zero and have != want:
-            raise ValueError(f"deepspeed_config sets zero_optimization.{what}.device="
-                             f"{have!r} but the TrainConfig asks for offload={offload!r}")
+            raise ValueError(
+                f"deepspeed_config sets zero_optimization.{what}.device="
+                f"{have!r} but the TrainConfig asks for offload={offload!r}"
+            )
         if want != "none":
             zero.setdefault(what, {"device": want})
     if want_opt != "none" and stage < 1:
-        raise ValueError("optimizer offload needs ZeRO stage 1, 2 or 3 "
-                         "(strategy zero1/zero2/zero3), not stage 0")
+        raise ValueError(
+            "optimizer offload needs ZeRO stage 1, 2 or 3 (strategy zero1/zero2/zero3), not stage 0"
+        )
     if want_par != "none" and stage != 3:
-        raise ValueError(f"parameter offload needs ZeRO stage 3 (strategy zero3), "
-                         f"got stage {stage}")
+        raise ValueError(
+            f"parameter offload needs ZeRO stage 3 (strategy zero3), got stage {stage}"
+        )
 
 
 def same_optimizer(a: str, b: str, params: dict) -> bool:
@@ -288,15 +406,18 @@ def _optimizer(d: dict, cfg) -> None:
     params = sec.setdefault("params", {})
     kind = optimizer_kind(sec)
     if not same_optimizer(kind, cfg.optimizer, {**params, **extra}):
-        raise ValueError(f"deepspeed_config's optimizer type {sec['type']!r} (DeepSpeed runs "
-                         f"it as {kind}) disagrees with the TrainConfig's "
-                         f"optimizer={cfg.optimizer!r}; make them agree")
+        raise ValueError(
+            f"deepspeed_config's optimizer type {sec['type']!r} (DeepSpeed runs "
+            f"it as {kind}) disagrees with the TrainConfig's "
+            f"optimizer={cfg.optimizer!r}; make them agree"
+        )
     _agree(params, "lr", cfg.lr, "optimizer.params.lr")
     for key, want in extra.items():
         if isinstance(params.get(key), (list, tuple)):
             params[key] = list(params[key])
-        _agree(params, key, list(want) if isinstance(want, tuple) else want,
-               f"optimizer.params.{key}")
+        _agree(
+            params, key, list(want) if isinstance(want, tuple) else want, f"optimizer.params.{key}"
+        )
     for key in [k for k, v in params.items() if v == "auto"]:
         del params[key]  # the torch optimizer's default, as for the TrainConfig
 
@@ -307,8 +428,10 @@ def _scheduler(d: dict, cfg) -> None:
     have = resolve(d["scheduler"], cfg.lr, cfg.steps) if d.get("scheduler") else None
     want = resolve(cfg.lr_schedule, cfg.lr, cfg.steps) if cfg.lr_schedule else None
     if have and want and have != want:
-        raise ValueError(f"deepspeed_config's scheduler {have} differs from the TrainConfig's "
-                         f"lr_schedule {want}; make them agree")
+        raise ValueError(
+            f"deepspeed_config's scheduler {have} differs from the TrainConfig's "
+            f"lr_schedule {want}; make them agree"
+        )
     if have or want:
         d["scheduler"] = have or want
 
@@ -316,8 +439,10 @@ def _scheduler(d: dict, cfg) -> None:
 def _no_auto_left(d, where: str = "") -> None:
     for key, value in d.items():
         if value == "auto":
-            raise ValueError(f"deepspeed_config's {where}{key}='auto' has no TrainConfig value "
-                             f"to take; write a value")
+            raise ValueError(
+                f"deepspeed_config's {where}{key}='auto' has no TrainConfig value "
+                f"to take; write a value"
+            )
         if isinstance(value, dict):
             _no_auto_left(value, f"{where}{key}.")
 
@@ -343,8 +468,10 @@ def ds_config_for(cfg, dp_size: int) -> dict:
         _agree(zero, "stage", STAGE_OF[cfg.strategy], "zero_optimization.stage")
     stage = zero.setdefault("stage", 0)
     if pipelined and stage >= 2:
-        raise ValueError(f"DeepSpeed's PipelineModule supports ZeRO stage 0 or 1 only, "
-                         f"deepspeed_config asks for stage {stage}")
+        raise ValueError(
+            f"DeepSpeed's PipelineModule supports ZeRO stage 0 or 1 only, "
+            f"deepspeed_config asks for stage {stage}"
+        )
     for key in AUTO_SIZES:
         if zero.get(key) == "auto":
             del zero[key]
@@ -358,6 +485,6 @@ def ds_config_for(cfg, dp_size: int) -> dict:
     if stage == 3 and zero.get("stage3_param_persistence_threshold", 0) in (0, "auto"):
         zero["stage3_param_persistence_threshold"] = 0
     d.setdefault("zero_force_ds_cpu_optimizer", False)
-    d.setdefault("steps_per_print", 10 ** 9)
+    d.setdefault("steps_per_print", 10**9)
     _no_auto_left(d)
     return d

@@ -6,6 +6,7 @@ runs ``grad_accum`` micro-batches through its own 1F1B schedule and steps the
 optimizer. DeepSpeed allows ZeRO stage 0 or 1 only with its pipeline engine
 (stage 2/3 would shard gradients that the pipeline still accumulates).
 """
+
 from __future__ import annotations
 
 import torch
@@ -53,8 +54,9 @@ def zero_stage(cfg) -> int:
     if cfg.strategy in ("zero1", "zero2", "zero3"):
         stage = int(cfg.strategy[-1])
     if stage not in PIPELINE_ZERO_STAGES:
-        raise ValueError(f"DeepSpeed's PipelineModule supports ZeRO stage 0 or 1 only "
-                         f"(got stage {stage})")
+        raise ValueError(
+            f"DeepSpeed's PipelineModule supports ZeRO stage 0 or 1 only (got stage {stage})"
+        )
     return stage
 
 
@@ -74,14 +76,19 @@ def validate(cfg, mesh, n_layers: int) -> None:
     zero_stage(cfg)
     pp, tp = mesh["pp"].size(), mesh["tp"].size()
     if tp != 1:
-        raise ValueError(f"the DeepSpeed pipeline backend has no tensor parallelism (tp={tp}); "
-                         f"use backend 'torch' with strategy 'hybrid'")
+        raise ValueError(
+            f"the DeepSpeed pipeline backend has no tensor parallelism (tp={tp}); "
+            f"use backend 'torch' with strategy 'hybrid'"
+        )
     if pp > n_layers + 2:
-        raise ValueError(f"cannot cut {n_layers + 2} pipeline layers (embedding, {n_layers} "
-                         f"blocks, head) into pp={pp} stages")
+        raise ValueError(
+            f"cannot cut {n_layers + 2} pipeline layers (embedding, {n_layers} "
+            f"blocks, head) into pp={pp} stages"
+        )
     if cfg.schedule != "1f1b":
-        raise ValueError(f"DeepSpeed's pipeline engine runs only the 1f1b schedule, "
-                         f"got {cfg.schedule!r}")
+        raise ValueError(
+            f"DeepSpeed's pipeline engine runs only the 1f1b schedule, got {cfg.schedule!r}"
+        )
 
 
 class DeepSpeedPipelineRunner(StepRunner):
@@ -94,8 +101,10 @@ class DeepSpeedPipelineRunner(StepRunner):
     def train_step(self, micro_batches) -> torch.Tensor:
         """Mean loss of this data-parallel replica's micro-batches (same on all stages)."""
         if len(micro_batches) != self.engine.gradient_accumulation_steps():
-            raise ValueError(f"expected {self.engine.gradient_accumulation_steps()} "
-                             f"micro-batches (grad_accum), got {len(micro_batches)}")
+            raise ValueError(
+                f"expected {self.engine.gradient_accumulation_steps()} "
+                f"micro-batches (grad_accum), got {len(micro_batches)}"
+            )
         self.engine.train_batch(data_iter=iter(micro_batches))
         return self.engine.dp_group_loss.detach().float().reshape(())
 
@@ -123,13 +132,13 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> DeepSpeedPipel
 
         loss_fn = make_loss(cfg)
     pp, dp = mesh["pp"].size(), mesh["dp"].size()
-    deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(),
-                               auto_mpi_discovery=False)
-    module = PipelineModule(layers=pipeline_layers(model), num_stages=pp, loss_fn=loss_fn,
-                            partition_method="uniform")
+    deepspeed.init_distributed(
+        dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False
+    )
+    module = PipelineModule(
+        layers=pipeline_layers(model), num_stages=pp, loss_fn=loss_fn, partition_method="uniform"
+    )
     config = ds_config(cfg, dp)
     optimizer = client_optimizer(config.pop("optimizer"), list(module.parameters()))
-    engine, optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer,
-                                                   config=config)
-    return DeepSpeedPipelineRunner(engine, optimizer, loss_fn,
-                                   device_type=mesh.device_type)
+    engine, optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
+    return DeepSpeedPipelineRunner(engine, optimizer, loss_fn, device_type=mesh.device_type)

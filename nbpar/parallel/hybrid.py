@@ -9,6 +9,7 @@ gradients are averaged with one all-reduce over dp after the pipeline step
 (DDP's math); True/False -> FSDP2 on each stage module (ZeRO-3 / ZeRO-2), whose
 gradient sync the pipeline stage defers to the last micro-batch.
 """
+
 from __future__ import annotations
 
 import copy
@@ -80,5 +81,12 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> StepRunner:
         return chunk
 
     dp_group = dp_mesh.get_group() if dp > 1 and reshard is None else None
-    return pipeline.build_runner(model, cfg, mesh, loss_fn=loss_fn, prepare=prepare,
-                                 runner_cls=HybridRunner, dp_group=dp_group)
+    return pipeline.build_runner(
+        model,
+        cfg,
+        mesh,
+        loss_fn=loss_fn,
+        prepare=prepare,
+        runner_cls=HybridRunner,
+        dp_group=dp_group,
+    )

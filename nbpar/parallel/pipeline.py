@@ -7,6 +7,7 @@ PipeDream-2BW paper, Narayanan et al. 2021) or interleaved 1F1B (Megatron-LM, Na
 et al. 2021).
 Every forward/backward of a micro-batch is timed to measure the bubble.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,8 +33,7 @@ from . import make_optimizer
 from .runner import StepRunner
 from .saved_activations import SavedActivations
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
-             "interleaved": ScheduleInterleaved1F1B}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 """model chunks (virtual stages) per rank for the interleaved schedule"""
 theory_bubble = _timeline.theory_bubble
 
@@ -54,8 +54,7 @@ def layer_ranges(n_layers: int, n_stages: int) -> list[range]:
     return ranges
 
 
-def split_stages(model: nn.Module, pp_rank: int, pp_size: int,
-                 virtual: int = 1) -> list[nn.Module]:
+def split_stages(model: nn.Module, pp_rank: int, pp_size: int, virtual: int = 1) -> list[nn.Module]:
     """The stage modules of ``pp_rank``: copies of ``model`` keeping only their part.
 
     The cut follows the model's declared plan (`nbpar.train.plan`): stage 0 keeps
@@ -71,9 +70,11 @@ def split_stages(model: nn.Module, pp_rank: int, pp_size: int,
         raise ValueError(f"pp_rank must be in [0, {pp_size}), got {pp_rank}")
     n_stages = pp_size * virtual
     if n_stages > n_layers:
-        raise ValueError(f"cannot cut {n_layers} layers into pp*virtual = "
-                         f"{pp_size}*{virtual} = {n_stages} stages: need at most one "
-                         f"stage per layer")
+        raise ValueError(
+            f"cannot cut {n_layers} layers into pp*virtual = "
+            f"{pp_size}*{virtual} = {n_stages} stages: need at most one "
+            f"stage per layer"
+        )
     keys = sorted(plan.layers.keys(), key=int)
     ranges = layer_ranges(n_layers, n_stages)
     chunks = []
@@ -107,8 +108,15 @@ class TimedStage(PipelineStage):
     micro-batch's forward saves for backward until its backward frees them.
     """
 
-    def __init__(self, *args, events: list, clock: list, autocast_dtype=None,
-                 activations: SavedActivations | None = None, **kwargs):
+    def __init__(
+        self,
+        *args,
+        events: list,
+        clock: list,
+        autocast_dtype=None,
+        activations: SavedActivations | None = None,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         self._events, self._clock = events, clock
         self._autocast_dtype = autocast_dtype
@@ -116,25 +124,36 @@ class TimedStage(PipelineStage):
 
     def _record(self, mb: int, kind: str, start: float) -> None:
         offset = self._clock[0]  # to pp rank 0's clock
-        self._events.append(dict(stage=self.stage_index, microbatch=mb, kind=kind,
-                                 start=start - offset, end=time.perf_counter() - offset))
+        self._events.append(
+            dict(
+                stage=self.stage_index,
+                microbatch=mb,
+                kind=kind,
+                start=start - offset,
+                end=time.perf_counter() - offset,
+            )
+        )
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
         start = time.perf_counter()
-        autocast = (contextlib.nullcontext() if self._autocast_dtype is None else
-                    torch.autocast(self.device.type, dtype=self._autocast_dtype))
-        with autocast, self.activations.forward(self.stage_index, fwd_chunk_id,
-                                                self.submod.parameters()):
+        autocast = (
+            contextlib.nullcontext()
+            if self._autocast_dtype is None
+            else torch.autocast(self.device.type, dtype=self._autocast_dtype)
+        )
+        with (
+            autocast,
+            self.activations.forward(self.stage_index, fwd_chunk_id, self.submod.parameters()),
+        ):
             out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
         self._record(fwd_chunk_id, "F", start)
         return out
 
-    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True,
-                           last_backward=False):
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
         start = time.perf_counter()
-        out = super().backward_one_chunk(bwd_chunk_id, loss=loss,
-                                         full_backward=full_backward,
-                                         last_backward=last_backward)
+        out = super().backward_one_chunk(
+            bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
+        )
         self.activations.release(self.stage_index, bwd_chunk_id)
         self._record(bwd_chunk_id, "B", start)
         return out
@@ -156,10 +175,28 @@ class PipelineRunner(StepRunner):
     an offset measured once at construction (``timeline.clock_offset``).
     """
 
-    def __init__(self, chunks, stages, schedule, optimizer, loss_fn, pp_group, *,
-                 events, clock, autocast_dtype=None, device_type="cpu", dp_group=None):
-        super().__init__(nn.ModuleList(chunks), optimizer, loss_fn,
-                         autocast_dtype=autocast_dtype, device_type=device_type)
+    def __init__(
+        self,
+        chunks,
+        stages,
+        schedule,
+        optimizer,
+        loss_fn,
+        pp_group,
+        *,
+        events,
+        clock,
+        autocast_dtype=None,
+        device_type="cpu",
+        dp_group=None,
+    ):
+        super().__init__(
+            nn.ModuleList(chunks),
+            optimizer,
+            loss_fn,
+            autocast_dtype=autocast_dtype,
+            device_type=device_type,
+        )
         self.stages, self.schedule, self.pp_group = stages, schedule, pp_group
         self.pp_size = dist.get_world_size(pp_group)
         self.pp_rank = dist.get_rank(pp_group)
@@ -183,8 +220,10 @@ class PipelineRunner(StepRunner):
     def train_step(self, micro_batches) -> torch.Tensor:
         """One pipeline step over ``micro_batches`` (one per schedule micro-batch)."""
         if len(micro_batches) != self.schedule._n_microbatches:
-            raise ValueError(f"expected {self.schedule._n_microbatches} micro-batches "
-                             f"(grad_accum), got {len(micro_batches)}")
+            raise ValueError(
+                f"expected {self.schedule._n_microbatches} micro-batches "
+                f"(grad_accum), got {len(micro_batches)}"
+            )
         self.optimizer.zero_grad(set_to_none=True)
         device = self.stages[0].device
         x = torch.cat([mb[0] for mb in micro_batches]).to(device)  # (m*b, s)
@@ -197,14 +236,16 @@ class PipelineRunner(StepRunner):
         t0 = time.perf_counter() - self._clock[0]
         losses: list = []
         args = (x,) if first else ()
-        self.schedule.step(*args, target=y if last else None,
-                           losses=losses if last else None)
+        self.schedule.step(*args, target=y if last else None, losses=losses if last else None)
         self.reduce_data_parallel_grads()
         self.optimizer_step()
         # The schedule averages each micro-batch loss and divides the
         # gradients by m (scale_grads): both equal the global-batch mean.
-        loss = (torch.stack([t.detach().float() for t in losses]).mean() if last
-                else torch.zeros((), dtype=torch.float32, device=x.device))
+        loss = (
+            torch.stack([t.detach().float() for t in losses]).mean()
+            if last
+            else torch.zeros((), dtype=torch.float32, device=x.device)
+        )
         dist.broadcast(loss, src=self._last_rank, group=self.pp_group)
         self._gather_timeline(t0)
         return loss
@@ -215,9 +256,13 @@ class PipelineRunner(StepRunner):
         dist.all_gather_object(gathered, (t0, self._events), group=self.pp_group)
         start = gathered[0][0]
         self._timeline = sorted(
-            (dict(e, rank=r, start=e["start"] - start, end=e["end"] - start)
-             for r, (_, events) in enumerate(gathered) for e in events),
-            key=lambda e: (e["rank"], e["start"]))
+            (
+                dict(e, rank=r, start=e["start"] - start, end=e["end"] - start)
+                for r, (_, events) in enumerate(gathered)
+                for e in events
+            ),
+            key=lambda e: (e["rank"], e["start"]),
+        )
 
     def timeline(self) -> list[dict]:
         """Events of the last step on every pp rank: stage, rank, microbatch, kind, start, end."""
@@ -235,10 +280,20 @@ class PipelineRunner(StepRunner):
 def build_stages(chunks, pp_rank, pp_size, virtual, pp_group, device, autocast_dtype):
     """Wrap this rank's chunks in TimedStages (shapes inferred on the first step)."""
     events, clock, activations = [], [0.0], SavedActivations()
-    stages = [TimedStage(chunk, sid, pp_size * virtual, device, group=pp_group,
-                         events=events, clock=clock, autocast_dtype=autocast_dtype,
-                         activations=activations)
-              for chunk, sid in zip(chunks, stage_ids(pp_rank, pp_size, virtual))]
+    stages = [
+        TimedStage(
+            chunk,
+            sid,
+            pp_size * virtual,
+            device,
+            group=pp_group,
+            events=events,
+            clock=clock,
+            autocast_dtype=autocast_dtype,
+            activations=activations,
+        )
+        for chunk, sid in zip(chunks, stage_ids(pp_rank, pp_size, virtual))
+    ]
     return stages, events, clock
 
 
@@ -257,8 +312,16 @@ def _to(module: nn.Module, device: torch.device) -> nn.Module:
     return module if p is None or p.device == device else module.to(device)
 
 
-def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None, prepare=None,
-                 runner_cls=PipelineRunner, **runner_kwargs) -> PipelineRunner:
+def build_runner(
+    model: nn.Module,
+    cfg,
+    mesh,
+    *,
+    loss_fn=None,
+    prepare=None,
+    runner_cls=PipelineRunner,
+    **runner_kwargs,
+) -> PipelineRunner:
     """Pipeline runner for ``model`` on ``mesh["pp"]`` with ``cfg.schedule``.
 
     ``prepare(chunk) -> chunk`` (hybrid) shards each stage module further
@@ -273,11 +336,20 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None, prepare=None,
         chunks = [prepare(c) for c in chunks]
     pp_group = pp_mesh.get_group()
     dtype = precision_dtype(cfg)
-    stages, events, clock = build_stages(chunks, pp_rank, pp_size, virtual, pp_group,
-                                         device, dtype)
+    stages, events, clock = build_stages(chunks, pp_rank, pp_size, virtual, pp_group, device, dtype)
     loss_fn = loss_fn or default_loss(cfg)
     schedule = make_schedule(cfg, stages, loss_fn)
     optimizer = make_optimizer([p for c in chunks for p in c.parameters()], cfg)
-    return runner_cls(chunks, stages, schedule, optimizer, loss_fn, pp_group,
-                      events=events, clock=clock, autocast_dtype=dtype,
-                      device_type=device.type, **runner_kwargs)
+    return runner_cls(
+        chunks,
+        stages,
+        schedule,
+        optimizer,
+        loss_fn,
+        pp_group,
+        events=events,
+        clock=clock,
+        autocast_dtype=dtype,
+        device_type=device.type,
+        **runner_kwargs,
+    )

@@ -3,6 +3,7 @@
 `train.py` drives any strategy through it: hand it the micro-batches of one
 optimizer step, get back this rank's mean loss; ask it what memory it holds.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -77,8 +78,9 @@ class StepRunner:
     DeepSpeed's engine, pipeline schedules).
     """
 
-    def __init__(self, model: nn.Module, optimizer, loss_fn, *, autocast_dtype=None,
-                 device_type: str = "cpu"):
+    def __init__(
+        self, model: nn.Module, optimizer, loss_fn, *, autocast_dtype=None, device_type: str = "cpu"
+    ):
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn

@@ -18,6 +18,7 @@ rather than per-tensor liveness: it is exact for schedules with full backward
 Under FSDP2 (hybrid with ``fsdp_reshard``) the gathered weights a forward saves
 are not the module's (sharded) parameters, so they count as activations.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,9 +37,9 @@ class SavedActivations:
 
     def reset(self) -> None:
         """Forget everything: call at the start of each step."""
-        self._live: dict[tuple, int] = {}   # (stage, mb) -> bytes saved, not yet freed
+        self._live: dict[tuple, int] = {}  # (stage, mb) -> bytes saved, not yet freed
         self._owner: dict[int, tuple] = {}  # storage id -> (stage, mb) that counted it
-        self._last: tuple | None = None     # key of the latest forward (the loss joins it)
+        self._last: tuple | None = None  # key of the latest forward (the loss joins it)
         self.peak = 0
 
     def _pack(self, key: tuple, skip: set):
@@ -66,6 +67,7 @@ class SavedActivations:
 
         Schedules compute the last stage's loss right after that stage's forward.
         """
+
         def loss(*args, **kwargs):
             if self._last is None:
                 return loss_fn(*args, **kwargs)

@@ -8,6 +8,7 @@ all-reduce the output in forward). Attention is split by heads. Embeddings,
 norms and the head stay replicated; their gradients are identical on every tp
 rank because everything upstream of them is replicated.
 """
+
 from __future__ import annotations
 
 import torch
@@ -45,8 +46,7 @@ def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
     ``view(b, s, -1, head_dim)`` sees its local heads and the module code is unchanged.
     """
     if tp_mesh.ndim != 1:
-        raise ValueError(f"apply_tp needs a 1-D tp mesh, got {tp_mesh.ndim} dims; "
-                         f"pass mesh['tp']")
+        raise ValueError(f"apply_tp needs a 1-D tp mesh, got {tp_mesh.ndim} dims; pass mesh['tp']")
     check_tp(model, tp_mesh.size())
     plan = require(model, "tensor")
     for block in plan.layers.values():
@@ -103,8 +103,7 @@ class TensorParallelRunner(StepRunner):
 
     def all_reduce_grads(self) -> None:
         """Average this rank's local gradient shards over the dp group."""
-        grads = [local_tensor(p.grad) for p in self.model.parameters()
-                 if p.grad is not None]
+        grads = [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])  # one collective
@@ -131,14 +130,19 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> StepRunner:
     from nbpar.parallel import autocast_dtype, make_optimizer, model_device_type
 
     if cfg.strategy not in HANDLES:
-        raise ValueError(f"tensor-parallel runner handles strategies {HANDLES}, "
-                         f"got {cfg.strategy!r}")
+        raise ValueError(
+            f"tensor-parallel runner handles strategies {HANDLES}, got {cfg.strategy!r}"
+        )
     if cfg.precision not in PRECISIONS:
-        raise ValueError(f"precision={cfg.precision!r} with tensor parallelism is not "
-                         f"supported; use fp32 or bf16")
+        raise ValueError(
+            f"precision={cfg.precision!r} with tensor parallelism is not "
+            f"supported; use fp32 or bf16"
+        )
     if mesh["pp"].size() != 1:
-        raise ValueError(f"the tensor-parallel runner needs pp = 1, got pp = "
-                         f"{mesh['pp'].size()}; pipeline x tensor is strategy 'hybrid'")
+        raise ValueError(
+            f"the tensor-parallel runner needs pp = 1, got pp = "
+            f"{mesh['pp'].size()}; pipeline x tensor is strategy 'hybrid'"
+        )
     if loss_fn is None:
         from nbpar.train.models import loss_fn as model_loss
 
@@ -156,6 +160,12 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> StepRunner:
         else:
             apply_fsdp_on_dp(model, dp_mesh, reshard)
             fsdp = True
-    return TensorParallelRunner(model, make_optimizer(model.parameters(), cfg), loss_fn,
-                                autocast_dtype=autocast_dtype(cfg), device_type=device_type,
-                                dp_group=dp_group, fsdp=fsdp)
+    return TensorParallelRunner(
+        model,
+        make_optimizer(model.parameters(), cfg),
+        loss_fn,
+        autocast_dtype=autocast_dtype(cfg),
+        device_type=device_type,
+        dp_group=dp_group,
+        fsdp=fsdp,
+    )

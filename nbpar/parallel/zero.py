@@ -8,6 +8,7 @@ Training Trillion Parameter Models", SC 2020) over the dp dimension.
 - zero3: FSDP2 ``fully_shard(reshard_after_forward=True)``: parameters sharded at
   rest too, gathered per block just in time (stage 3, P_os+g+p).
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,8 +37,13 @@ def model_blocks(model: nn.Module) -> list[nn.Module]:
     return []
 
 
-def apply_fsdp(model: nn.Module, dp_mesh, reshard_after_forward: bool = True, *,
-               param_dtype: torch.dtype | None = None) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh,
+    reshard_after_forward: bool = True,
+    *,
+    param_dtype: torch.dtype | None = None,
+) -> nn.Module:
     """Shard ``model`` with FSDP2 over the 1-D ``dp_mesh`` (e.g. ``mesh["dp"]``), in place.
 
     Each block becomes its own FSDP unit (one all-gather per block in forward,
@@ -51,19 +57,28 @@ def apply_fsdp(model: nn.Module, dp_mesh, reshard_after_forward: bool = True, *,
         if param_dtype is None:
             return MixedPrecisionPolicy()
         # the root hands fp32 logits to the loss
-        return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
-                                    output_dtype=torch.float32 if root else None)
+        return MixedPrecisionPolicy(
+            param_dtype=param_dtype,
+            reduce_dtype=torch.float32,
+            output_dtype=torch.float32 if root else None,
+        )
 
     for block in model_blocks(model):
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
-                    mp_policy=policy(False))
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
-                mp_policy=policy(True))
+        fully_shard(
+            block,
+            mesh=dp_mesh,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=policy(False),
+        )
+    fully_shard(
+        model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy(True)
+    )
     return model
 
 
-def apply_zero1(model: nn.Module, dp_mesh, optimizer_class=torch.optim.Adam, *,
-                timer=None, **defaults):
+def apply_zero1(
+    model: nn.Module, dp_mesh, optimizer_class=torch.optim.Adam, *, timer=None, **defaults
+):
     """DDP over ``dp_mesh`` plus a ZeroRedundancyOptimizer over the same group.
 
     Returns ``(ddp_model, optimizer)``; ``defaults`` go to ``optimizer_class``
@@ -73,8 +88,12 @@ def apply_zero1(model: nn.Module, dp_mesh, optimizer_class=torch.optim.Adam, *,
     from nbpar.parallel.ddp import apply_ddp
 
     ddp = apply_ddp(model, dp_mesh, timer=timer)
-    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=optimizer_class,
-                                  process_group=dp_mesh.get_group(), **defaults)
+    opt = ZeroRedundancyOptimizer(
+        ddp.parameters(),
+        optimizer_class=optimizer_class,
+        process_group=dp_mesh.get_group(),
+        **defaults,
+    )
     return ddp, opt
 
 
@@ -136,8 +155,10 @@ def _check(cfg) -> None:
     if cfg.strategy not in ("zero1", "zero2", "zero3"):
         raise ValueError(f"torch ZeRO runs strategy zero1, zero2 or zero3, got {cfg.strategy!r}")
     if cfg.precision not in TORCH_PRECISIONS:
-        raise ValueError(f"precision={cfg.precision!r} with backend='torch' ZeRO is not "
-                         f"supported; use fp32 or bf16 (fp16 needs backend='deepspeed')")
+        raise ValueError(
+            f"precision={cfg.precision!r} with backend='torch' ZeRO is not "
+            f"supported; use fp32 or bf16 (fp16 needs backend='deepspeed')"
+        )
     from nbpar.parallel import optimizer_spec
 
     optimizer_spec(cfg)  # an unknown optimizer fails here, before any group is touched
@@ -155,6 +176,7 @@ def build_runner(model, cfg, mesh, loss=None) -> StepRunner:
     _check(cfg)
     if loss is None:
         from nbpar.train.models import loss_fn
+
         loss = loss_fn(cfg)
     device_type = model_device_type(model)
     dp_mesh = mesh["dp"]
@@ -164,11 +186,11 @@ def build_runner(model, cfg, mesh, loss=None) -> StepRunner:
         timer = CommTimer()
         cls, kwargs = optimizer_spec(cfg)
         ddp, opt = apply_zero1(model, dp_mesh, cls, timer=timer, **kwargs)
-        return Zero1Runner(ddp, opt, loss, timer=timer, autocast_dtype=autocast_dtype(cfg),
-                           device_type=device_type)
+        return Zero1Runner(
+            ddp, opt, loss, timer=timer, autocast_dtype=autocast_dtype(cfg), device_type=device_type
+        )
     reshard = cfg.strategy == "zero3"
     if cfg.fsdp_reshard is not None:
         reshard = cfg.fsdp_reshard
     apply_fsdp(model, dp_mesh, reshard, param_dtype=autocast_dtype(cfg))
-    return FSDPRunner(model, make_optimizer(model.parameters(), cfg), loss,
-                      device_type=device_type)
+    return FSDPRunner(model, make_optimizer(model.parameters(), cfg), loss, device_type=device_type)

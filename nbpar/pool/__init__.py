@@ -9,6 +9,7 @@ engine), `controller` and `orphan` (processes that exit with the kernel that sta
 them). May import the top level and, to ship work to engines, `nbpar.train`; never
 `nbpar.view` at import time. Importing this package imports nothing else.
 """
+
 from __future__ import annotations
 
 

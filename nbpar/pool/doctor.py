@@ -8,6 +8,7 @@ cell line 3 (time.sleep(60)), not in a collective (last: all_reduce #1); rank 0
 waits in all_reduce #2 (cell line 4)". Ranks that disagree on the op or the
 shapes of one collective are named too.
 """
+
 from __future__ import annotations
 
 import html
@@ -68,8 +69,9 @@ def _mismatch(reports: dict) -> str | None:
         if len({json.dumps(c["shapes"]) for c in by_rank.values()}) > 1:
             shapes = ", ".join(f"rank {r} {_shape(c)}" for r, c in by_rank.items())
             stuck = [r for r, c in by_rank.items() if c["state"] != "completed"]
-            return (f"{_op(first)} has different shapes on different ranks: {shapes}"
-                    + (f"; {_names(stuck)} still in it" if stuck else ""))
+            return f"{_op(first)} has different shapes on different ranks: {shapes}" + (
+                f"; {_names(stuck)} still in it" if stuck else ""
+            )
     return None
 
 
@@ -83,34 +85,53 @@ def diagnose(reports: dict, ranks) -> str:
     others = {r: rep for r, rep in reports.items() if r not in waiting}
     lines = []
     if missing:
-        lines.append(f"{_verb(missing, 'did', 'did')} not answer (dead, or holding the GIL in "
-                     f"native code)")
+        lines.append(
+            f"{_verb(missing, 'did', 'did')} not answer (dead, or holding the GIL in native code)"
+        )
     if waiting and others:
-        lines += [f"rank {r} is not in a collective, at {_at(rep)} ({_last(rep)})"
-                  for r, rep in others.items()]
+        lines += [
+            f"rank {r} is not in a collective, at {_at(rep)} ({_last(rep)})"
+            for r, rep in others.items()
+        ]
     groups: dict = {}
     for r, rep in waiting.items():
         c = rep["waiting_in"]
         groups.setdefault(_op(c) if c else "a collective", []).append(r)
     if len(groups) > 1:  # the smaller, then the earlier, groups diverged
-        order = sorted(groups, key=lambda k: (len(groups[k]),
-                                               waiting[groups[k][0]]["waiting_in"]["seq"]
-                                               if waiting[groups[k][0]]["waiting_in"] else 0))
+        order = sorted(
+            groups,
+            key=lambda k: (
+                len(groups[k]),
+                waiting[groups[k][0]]["waiting_in"]["seq"]
+                if waiting[groups[k][0]]["waiting_in"]
+                else 0,
+            ),
+        )
         *diverged, main = order
-        lines += [f"{_verb(groups[k], 'is', 'are')} at {k} ({_at(waiting[groups[k][0]])})"
-                  for k in diverged]
+        lines += [
+            f"{_verb(groups[k], 'is', 'are')} at {k} ({_at(waiting[groups[k][0]])})"
+            for k in diverged
+        ]
         lines.append(f"{_verb(groups[main], 'waits', 'wait')} in {main}")
     elif groups:
-        (k, rs), = groups.items()
-        lines.append(f"{_verb(rs, 'waits', 'wait')} in {k} ({_at(waiting[rs[0]])})"
-                     + ("" if others or missing else ": every rank is in it, so the wait is "
-                        "in the network or a slow rank, not a missing call"))
+        ((k, rs),) = groups.items()
+        lines.append(
+            f"{_verb(rs, 'waits', 'wait')} in {k} ({_at(waiting[rs[0]])})"
+            + (
+                ""
+                if others or missing
+                else ": every rank is in it, so the wait is "
+                "in the network or a slow rank, not a missing call"
+            )
+        )
     if not waiting and not missing:
         running = {r: rep for r, rep in others.items() if rep["state"] == "running"}
         if not running:
             return "every rank is idle: nothing is stuck"
-        lines.append("no rank is in a collective: " + "; ".join(
-            f"rank {r} at {_at(rep)}" for r, rep in running.items()))
+        lines.append(
+            "no rank is in a collective: "
+            + "; ".join(f"rank {r} at {_at(rep)}" for r, rep in running.items())
+        )
     return "; ".join(lines)
 
 
@@ -121,10 +142,11 @@ class DoctorReport:
         self.reports = dict(sorted(reports.items()))
         self.ranks, self.backend, self.dead = list(ranks), backend, list(dead)
         self.diagnosis = diagnose(self.reports, self.ranks)
-        self.way_out = ("run `%dist restart` (pool.restart()) to get fresh engines"
-                        + (", or pool.doctor(abort=True) to abort the nccl communicators so "
-                           "the cells end" if backend == "nccl" else
-                           " (gloo cannot abort a collective)"))
+        self.way_out = "run `%dist restart` (pool.restart()) to get fresh engines" + (
+            ", or pool.doctor(abort=True) to abort the nccl communicators so the cells end"
+            if backend == "nccl"
+            else " (gloo cannot abort a collective)"
+        )
 
     def lines(self, frames: int = 6) -> list[str]:
         out = [f"diagnosis: {self.diagnosis}", f"way out: {self.way_out}"]
@@ -176,11 +198,14 @@ def ask(pool, ranks=None, timeout: float = ANSWER_S, abort: bool = False) -> Doc
 def doctor(pool, abort: bool = False) -> DoctorReport:
     """``pool.doctor()``: only while a cell or a run is in progress."""
     if abort and pool.backend != "nccl":
-        raise ValueError(f"abort=True needs nccl; {pool.backend} cannot abort a collective: "
-                         f"run pool.restart()")
+        raise ValueError(
+            f"abort=True needs nccl; {pool.backend} cannot abort a collective: run pool.restart()"
+        )
     if not pool.busy_ranks():
-        raise PoolError("nothing is running on the pool: the doctor looks at ranks while a "
-                        "cell or a run is in progress (or stuck)")
+        raise PoolError(
+            "nothing is running on the pool: the doctor looks at ranks while a "
+            "cell or a run is in progress (or stuck)"
+        )
     report = ask(pool, abort=abort)
     pool.prepare_restart()  # the doctor's way out is a restart: warm engines for it
     return report

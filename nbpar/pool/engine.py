@@ -4,6 +4,7 @@ importing torch the moment it starts, while it registers with the controller.
 Started as ``python -m nbpar.pool.engine <ipengine args>``; importing torch takes
 ~1.5-2 s, about as long as registration, so the two overlap.
 """
+
 import threading
 
 

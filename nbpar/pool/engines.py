@@ -9,6 +9,7 @@ process group. Without spares, the new engines start before the old ones are
 killed, so the two overlap. MPI engines ask for their rank as engine id: there the
 old set must be gone before the new one starts.
 """
+
 from __future__ import annotations
 
 import signal

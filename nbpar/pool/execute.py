@@ -4,6 +4,7 @@ A wait returns as soon as every rank is done, as soon as an engine dies, a
 short grace period after a rank raised (its peers are then usually stuck in a
 collective waiting for it), or at the timeout.
 """
+
 from __future__ import annotations
 
 import signal
@@ -43,8 +44,9 @@ class DistResult:
         self.stdout = {r: md.get("stdout", "") for r, md in zip(ranks, metadata)}
         self.stderr = {r: md.get("stderr", "") for r, md in zip(ranks, metadata)}
         self.outputs = {r: md.get("outputs", []) for r, md in zip(ranks, metadata)}
-        self.results = {r: (md.get("execute_result") or {}).get("data", {})
-                        for r, md in zip(ranks, metadata)}
+        self.results = {
+            r: (md.get("execute_result") or {}).get("data", {}) for r, md in zip(ranks, metadata)
+        }
 
     def text(self, ranks=None) -> str:
         lines = []
@@ -87,8 +89,9 @@ def _failure(ar):
     return None
 
 
-def wait_all(pool, ars: dict, timeout: float | None, *, interruptible: bool = True,
-             on_poll=None, whole=None) -> None:
+def wait_all(
+    pool, ars: dict, timeout: float | None, *, interruptible: bool = True, on_poll=None, whole=None
+) -> None:
     """Wait for ``ars`` (rank -> AsyncResult); raise one clear error if it fails."""
     start = time.monotonic()
     first_failure = None
@@ -128,18 +131,26 @@ def wait_all(pool, ars: dict, timeout: float | None, *, interruptible: bool = Tr
     if dead:
         if getattr(pool, "auto_restart", False):
             pool.restart()
-            raise EngineDied(f"the engine of rank(s) {dead} died; the pool was restarted "
-                             f"(restart='auto'): run the cell again", dead)
+            raise EngineDied(
+                f"the engine of rank(s) {dead} died; the pool was restarted "
+                f"(restart='auto'): run the cell again",
+                dead,
+            )
         pool.prepare_restart()
-        raise EngineDied(f"the engine of rank(s) {dead} died; its peers cannot finish their "
-                         f"collectives: run `%dist restart` (or pool.restart()) to get a full "
-                         f"process group back", dead)
+        raise EngineDied(
+            f"the engine of rank(s) {dead} died; its peers cannot finish their "
+            f"collectives: run `%dist restart` (or pool.restart()) to get a full "
+            f"process group back",
+            dead,
+        )
     still = [r for r, ar in ars.items() if not ar.ready()]
     err = RankError({r: e for r, e in errors.items() if e})
     if still:
         pool.prepare_restart()
-        err.add_note(f"rank(s) {still} are still running (probably waiting in a collective "
-                     f"for the failed rank): run `%dist restart` before the next cell")
+        err.add_note(
+            f"rank(s) {still} are still running (probably waiting in a collective "
+            f"for the failed rank): run `%dist restart` before the next cell"
+        )
     raise err
 
 
@@ -160,10 +171,13 @@ def _timed_out(pool, ars, pending, timeout) -> DistTimeout:
     pool.prepare_restart()  # a restart is the likely next step: warm engines for it
     return DistTimeout(
         f"rank(s) {pending} did not finish within {timeout:g} s"
-        + (f" (rank(s) {done} did)" if done else "") + f": {why}"
+        + (f" (rank(s) {done} did)" if done else "")
+        + f": {why}"
         + "; a rank waiting in a collective stays blocked until the process-group timeout: "
         "run `%dist restart` (or pool.restart()) to continue now (`%dist doctor` for stacks)",
-        pending, report=report)
+        pending,
+        report=report,
+    )
 
 
 def interrupt(pool, ranks, ars, wait_s: float = 3.0) -> None:
@@ -184,12 +198,16 @@ def interrupt(pool, ranks, ars, wait_s: float = 3.0) -> None:
     stuck = [r for r in ranks if not ars[r].ready()]
     if stuck:
         pool.prepare_restart()
-        print(f"nbpar: rank(s) {stuck} did not stop ({_diagnosis(pool)[1]}): run "
-              f"`%dist restart` to get the pool back", file=sys.stderr)
+        print(
+            f"nbpar: rank(s) {stuck} did not stop ({_diagnosis(pool)[1]}): run "
+            f"`%dist restart` to get the pool back",
+            file=sys.stderr,
+        )
 
 
-def run_cell(pool, code: str, ranks, timeout: float | None,
-             stream: bool | None = None) -> DistResult:
+def run_cell(
+    pool, code: str, ranks, timeout: float | None, stream: bool | None = None
+) -> DistResult:
     """Execute ``code`` on ``ranks`` (each in its engine's namespace).
 
     ``stream``: show each rank's lines while the cell runs (default: in a Jupyter
@@ -197,8 +215,10 @@ def run_cell(pool, code: str, ranks, timeout: float | None,
     """
     busy = pool.busy_ranks(ranks)
     if busy:
-        raise PoolError(f"rank(s) {busy} are still running an earlier cell (maybe stuck in a "
-                        f"collective): wait for it, or run `%dist restart`")
+        raise PoolError(
+            f"rank(s) {busy} are still running an earlier cell (maybe stuck in a "
+            f"collective): wait for it, or run `%dist restart`"
+        )
     dead = [r for r in pool.dead_ranks() if r in ranks]
     if dead:
         raise EngineDied(f"the engine of rank(s) {dead} is dead: run `%dist restart`", dead)

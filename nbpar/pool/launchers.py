@@ -6,6 +6,7 @@ outside Slurm fails in one clear line instead of after a start timeout; then
 configure the Cluster: nbpar's engine command, environment, and the few mpiexec
 settings a notebook pool needs (Open MPI refuses root without two variables).
 """
+
 from __future__ import annotations
 
 import os
@@ -16,10 +17,16 @@ from importlib.util import find_spec
 
 #: Command each launcher needs on PATH, and how to get it.
 LAUNCHER_NEEDS = {
-    "mpi": ("mpiexec", "install MPI (e.g. `apt-get install openmpi-bin libopenmpi-dev`, "
-                       "or run scripts/install_mpi.sh) and `pip install mpi4py`"),
-    "slurm": ("sbatch", "run the notebook on a node of a Slurm cluster, or start "
-                        "`ipcluster` from a batch script and attach with nbpar.Pool.connect()"),
+    "mpi": (
+        "mpiexec",
+        "install MPI (e.g. `apt-get install openmpi-bin libopenmpi-dev`, "
+        "or run scripts/install_mpi.sh) and `pip install mpi4py`",
+    ),
+    "slurm": (
+        "sbatch",
+        "run the notebook on a node of a Slurm cluster, or start "
+        "`ipcluster` from a batch script and attach with nbpar.Pool.connect()",
+    ),
     "pbs": ("qsub", "run on a node of a PBS cluster"),
     "sge": ("qsub", "run on a node of an SGE cluster"),
     "lsf": ("bsub", "run on a node of an LSF cluster"),
@@ -41,29 +48,35 @@ def check_launcher(launcher) -> None:
     from ipyparallel.cluster.launcher import find_launcher_class
 
     if not isinstance(launcher, str):
-        raise ValueError(f"launcher must be a name like 'local', 'mpi', 'slurm' or 'ssh', "
-                         f"got {launcher!r}")
+        raise ValueError(
+            f"launcher must be a name like 'local', 'mpi', 'slurm' or 'ssh', got {launcher!r}"
+        )
     try:
         find_launcher_class(launcher, "engine")
     except KeyError:
         from importlib.metadata import entry_points
 
         known = sorted(e.name for e in entry_points(group="ipyparallel.engine_launchers"))
-        raise ValueError(f"unknown launcher {launcher!r}; ipyparallel knows: "
-                         f"{', '.join(known)}") from None
+        raise ValueError(
+            f"unknown launcher {launcher!r}; ipyparallel knows: {', '.join(known)}"
+        ) from None
     need = LAUNCHER_NEEDS.get(launcher.lower())
     if need and shutil.which(need[0]) is None:
-        raise ValueError(f"launcher={launcher!r} needs `{need[0]}` on PATH and this "
-                         f"machine has none: {need[1]}")
+        raise ValueError(
+            f"launcher={launcher!r} needs `{need[0]}` on PATH and this machine has none: {need[1]}"
+        )
     if launcher.lower() == "mpi" and find_spec("mpi4py") is None:
-        raise ValueError(f"launcher='mpi' needs mpi4py in the engines' Python "
-                         f"({sys.executable}): run `{sys.executable} -m pip install mpi4py`")
+        raise ValueError(
+            f"launcher='mpi' needs mpi4py in the engines' Python "
+            f"({sys.executable}): run `{sys.executable} -m pip install mpi4py`"
+        )
 
 
 def _is_open_mpi(mpiexec: str) -> bool:
     try:
-        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
-                             timeout=10).stdout
+        out = subprocess.run(
+            [mpiexec, "--version"], capture_output=True, text=True, timeout=10
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return False
     return "Open MPI" in out or "OpenRTE" in out
@@ -86,10 +99,12 @@ def configure(cluster, launcher: str, n: int, env: dict) -> None:
     if launcher.lower() == "mpi":
         if os.geteuid() == 0:
             env = {**OMPI_ROOT_ENV, **env}
-        user_set = any("mpi_args" in cfg[k] for k in ("MPILauncher", "MPIEngineSetLauncher")
-                       if k in cfg)
-        mpiexec = cfg.MPILauncher.get("mpi_cmd", ["mpiexec"])[0] if "MPILauncher" in cfg \
-            else "mpiexec"
+        user_set = any(
+            "mpi_args" in cfg[k] for k in ("MPILauncher", "MPIEngineSetLauncher") if k in cfg
+        )
+        mpiexec = (
+            cfg.MPILauncher.get("mpi_cmd", ["mpiexec"])[0] if "MPILauncher" in cfg else "mpiexec"
+        )
         if not user_set and _is_open_mpi(shutil.which(mpiexec) or mpiexec):
             args = ["--bind-to", "none"]
             if n > (os.cpu_count() or 1):

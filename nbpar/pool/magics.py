@@ -1,8 +1,9 @@
 """IPython magics: ``%%dist`` runs a cell on every rank, ``%dist`` manages the pool.
 
-    %%dist [--targets 0,1] [--timeout S] [--rank0] [--stream | --no-stream]
-    %dist status | start [N] | restart | shutdown | doctor | debug N
+%%dist [--targets 0,1] [--timeout S] [--rank0] [--stream | --no-stream]
+%dist status | start [N] | restart | shutdown | doctor | debug N
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,15 +19,28 @@ class _Parser(argparse.ArgumentParser):
 
 def _cell_parser() -> _Parser:
     p = _Parser(prog="%%dist", add_help=False)
-    p.add_argument("--targets", "-t", default=None,
-                   help="ranks to run on: 'all' (default), '0', '0,2', '0-3'")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="seconds before the cell gives up (default: the pool's)")
+    p.add_argument(
+        "--targets", "-t", default=None, help="ranks to run on: 'all' (default), '0', '0,2', '0-3'"
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds before the cell gives up (default: the pool's)",
+    )
     p.add_argument("--rank0", action="store_true", help="show only rank 0's output")
-    p.add_argument("--stream", action="store_true", default=None,
-                   help="show each rank's lines while the cell runs (default in Jupyter)")
-    p.add_argument("--no-stream", dest="stream", action="store_false",
-                   help="show the output only when the cell ends")
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        default=None,
+        help="show each rank's lines while the cell runs (default in Jupyter)",
+    )
+    p.add_argument(
+        "--no-stream",
+        dest="stream",
+        action="store_false",
+        help="show the output only when the cell ends",
+    )
     return p
 
 
@@ -41,8 +55,7 @@ class DistMagics(Magics):
         if args.timeout is not None and args.timeout <= 0:
             raise ValueError(f"%%dist: --timeout must be positive, got {args.timeout:g}")
         pool = pool_mod.current()
-        result = pool.execute(cell, targets=args.targets, timeout=args.timeout,
-                              stream=args.stream)
+        result = pool.execute(cell, targets=args.targets, timeout=args.timeout, stream=args.stream)
         result.render([0] if args.rank0 else None)
 
     @line_magic("dist")
@@ -61,8 +74,10 @@ class DistMagics(Magics):
             self.shell.user_ns.setdefault("pool", pool)
             return pool
         if cmd not in ("status", "restart", "shutdown", "doctor", "debug"):
-            raise ValueError(f"%dist: unknown command {cmd!r}; use status, start [N], "
-                             f"restart, shutdown, doctor or debug N")
+            raise ValueError(
+                f"%dist: unknown command {cmd!r}; use status, start [N], "
+                f"restart, shutdown, doctor or debug N"
+            )
         pool = pool_mod.current()
         if cmd == "doctor":
             display(pool.doctor())

@@ -4,6 +4,7 @@ nbpar's engine and controller processes call `exit_with_parent()` first thing:
 a kernel killed outright (no atexit, no cleanup) then takes its engines and
 controller with it within about a second.
 """
+
 import os
 import threading
 import time

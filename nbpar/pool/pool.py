@@ -4,6 +4,7 @@
 (any of its launchers: local, mpi, slurm, ssh, ...), then joins every engine
 to one process group: gloo on CPU, nccl with one engine per GPU.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -31,8 +32,9 @@ def current() -> Pool:
     """The pool that ``%%dist`` runs on: the one made or activated last."""
     pool = _current() if _current else None
     if pool is None or pool.closed:
-        raise PoolError("no pool is running: start one with `pool = nbpar.Pool(2)` "
-                        "(or `%dist start 2`)")
+        raise PoolError(
+            "no pool is running: start one with `pool = nbpar.Pool(2)` (or `%dist start 2`)"
+        )
     return pool
 
 
@@ -53,8 +55,10 @@ def _check_port(port, ip: str) -> None:
         try:
             s.bind((ip if ip not in ("*", "0.0.0.0", "") else "", port))
         except OSError:
-            raise ValueError(f"port {port} is already in use on this host; pass another "
-                             f"port or leave port=None to pick a free one") from None
+            raise ValueError(
+                f"port {port} is already in use on this host; pass another "
+                f"port or leave port=None to pick a free one"
+            ) from None
 
 
 class Pool:
@@ -74,11 +78,22 @@ class Pool:
     Other keyword arguments go to ``ipyparallel.Cluster``.
     """
 
-    def __init__(self, n: int | None = None, *, launcher: str = "local",
-                 backend: str | None = None, timeout: float | None = None,
-                 pg_timeout: float = 300.0, start_timeout: float = 120.0,
-                 env: dict | None = None, ip: str = "127.0.0.1", port: int | None = None,
-                 replace: bool = True, restart: str | None = None, **cluster_kwargs):
+    def __init__(
+        self,
+        n: int | None = None,
+        *,
+        launcher: str = "local",
+        backend: str | None = None,
+        timeout: float | None = None,
+        pg_timeout: float = 300.0,
+        start_timeout: float = 120.0,
+        env: dict | None = None,
+        ip: str = "127.0.0.1",
+        port: int | None = None,
+        replace: bool = True,
+        restart: str | None = None,
+        **cluster_kwargs,
+    ):
         n_gpus = device.accelerator_count() if backend in (None, "nccl") else 0
         if backend is None:
             backend = device.default_backend(n_gpus)
@@ -87,8 +102,10 @@ class Pool:
         n = _check_n(n if n is not None else (n_gpus or 2))
         _check_launcher(launcher)
         if backend == "nccl" and launcher == "local" and n > n_gpus:
-            raise ValueError(f"{n} GPU engines asked for but this machine has {n_gpus} "
-                             f"GPU(s): use Pool({n_gpus}) or backend='gloo'")
+            raise ValueError(
+                f"{n} GPU engines asked for but this machine has {n_gpus} "
+                f"GPU(s): use Pool({n_gpus}) or backend='gloo'"
+            )
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout must be positive seconds or None, got {timeout!r}")
         env = {str(k): str(v) for k, v in (env or {}).items()}
@@ -122,9 +139,16 @@ class Pool:
 
     # -- lifecycle ---------------------------------------------------------
     @classmethod
-    def connect(cls, url_file: str | None = None, *, profile: str | None = None,
-                cluster_id: str | None = None, n: int | None = None,
-                backend: str | None = None, **kwargs) -> Pool:
+    def connect(
+        cls,
+        url_file: str | None = None,
+        *,
+        profile: str | None = None,
+        cluster_id: str | None = None,
+        n: int | None = None,
+        backend: str | None = None,
+        **kwargs,
+    ) -> Pool:
         """Attach to an ipyparallel cluster that is already running.
 
         The engines join a process group; ``shutdown()`` leaves the cluster
@@ -152,8 +176,9 @@ class Pool:
         self.client = ipp.Client(**client_kwargs)
         try:
             if n is not None:
-                self.client.wait_for_engines(_check_n(n), timeout=self.start_timeout,
-                                             interactive=False)
+                self.client.wait_for_engines(
+                    _check_n(n), timeout=self.start_timeout, interactive=False
+                )
             self.n = n or len(self.client.ids)
             if self.n < 1:
                 raise PoolError("the cluster has no engines")
@@ -170,9 +195,15 @@ class Pool:
 
         from nbpar.pool import launchers
 
-        kwargs = dict(n=self.n, engines=self.launcher, controller_ip=self.ip, delay=0,
-                      controller_args=list(CONTROLLER_ARGS), log_level=40,
-                      engine_timeout=int(self.start_timeout))
+        kwargs = dict(
+            n=self.n,
+            engines=self.launcher,
+            controller_ip=self.ip,
+            delay=0,
+            controller_args=list(CONTROLLER_ARGS),
+            log_level=40,
+            engine_timeout=int(self.start_timeout),
+        )
         kwargs.update(self._cluster_kwargs)
         self.cluster = cluster = ipp.Cluster(**kwargs)
         launchers.configure(cluster, self.launcher, self.n, self.env)
@@ -202,21 +233,35 @@ class Pool:
         ids = self._engine_ids
         peer = self._controller_host()
         addr, port = self.client[ids[0]].apply_sync(
-            worker.open_store, peer, self.port or 0, self.pg_timeout)
+            worker.open_store, peer, self.port or 0, self.pg_timeout
+        )
         watch = None
         if self.owned:
             also = [self.cluster.controller.process.pid] if self._local_controller() else []
             watch = {"host": socket.gethostname(), "pid": os.getpid(), "also_kill": also}
-        results = [self.client[eid].apply_async(
-            worker.join, rank, self.n, addr, port, self.backend, self.pg_timeout,
-            self.env, watch) for rank, eid in enumerate(ids)]
+        results = [
+            self.client[eid].apply_async(
+                worker.join,
+                rank,
+                self.n,
+                addr,
+                port,
+                self.backend,
+                self.pg_timeout,
+                self.env,
+                watch,
+            )
+            for rank, eid in enumerate(ids)
+        ]
         deadline = time.monotonic() + self.start_timeout
         self.engines = []
         for rank, ar in enumerate(results):
             if not ar.wait(max(0.0, deadline - time.monotonic())):
-                raise PoolError(f"rank {rank} did not join the process group at "
-                                f"{addr}:{port} within {self.start_timeout:.0f} s: "
-                                f"is that address reachable from every engine?")
+                raise PoolError(
+                    f"rank {rank} did not join the process group at "
+                    f"{addr}:{port} within {self.start_timeout:.0f} s: "
+                    f"is that address reachable from every engine?"
+                )
             self.engines.append({**ar.get(), "engine_id": ids[rank]})
         if self.owned:
             self._sets.use(self.client, ids)
@@ -293,19 +338,22 @@ class Pool:
                 try:
                     out.extend(range(int(lo), int(hi or lo) + 1))
                 except ValueError:
-                    raise ValueError(f"--targets must look like '0,1' or '0-3', got "
-                                     f"{targets!r}") from None
+                    raise ValueError(
+                        f"--targets must look like '0,1' or '0-3', got {targets!r}"
+                    ) from None
             targets = out
         if isinstance(targets, int):
             targets = [targets]
         bad = [r for r in targets if not isinstance(r, int) or not 0 <= r < self.n]
         if bad or not targets:
-            raise ValueError(f"rank(s) {bad or targets} do not exist: this pool has ranks "
-                             f"0..{self.n - 1}")
+            raise ValueError(
+                f"rank(s) {bad or targets} do not exist: this pool has ranks 0..{self.n - 1}"
+            )
         return sorted(set(targets))
 
-    def execute(self, code: str, targets=None, timeout: float | None = None,
-                stream: bool | None = None):
+    def execute(
+        self, code: str, targets=None, timeout: float | None = None, stream: bool | None = None
+    ):
         """Run ``code`` on the target ranks; return a DistResult (raises on error).
 
         ``stream``: show each rank's lines live (default: in a Jupyter kernel).
@@ -313,8 +361,9 @@ class Pool:
         from nbpar.pool.execute import run_cell
 
         self._check_open()
-        return run_cell(self, code, self.ranks(targets),
-                        self.timeout if timeout is None else timeout, stream)
+        return run_cell(
+            self, code, self.ranks(targets), self.timeout if timeout is None else timeout, stream
+        )
 
     def run(self, fn, *args, targets=None, timeout: float | None = None, **kwargs) -> list:
         """Call ``fn(*args, **kwargs)`` on each target rank; results in rank order."""
@@ -322,14 +371,13 @@ class Pool:
 
         self._check_open()
         ranks = self.ranks(targets)
-        ars = {r: self.client[self._engine_ids[r]].apply_async(fn, *args, **kwargs)
-               for r in ranks}
+        ars = {r: self.client[self._engine_ids[r]].apply_async(fn, *args, **kwargs) for r in ranks}
         wait_all(self, ars, self.timeout if timeout is None else timeout)
         return [ars[r].get() for r in ranks]
 
     def _init_requests(self) -> None:
         self._inflight: dict = {}  # rank -> the AsyncResult of its latest cell or run
-        self._views: dict = {}     # (engine ids, ranks) -> DirectView
+        self._views: dict = {}  # (engine ids, ranks) -> DirectView
         self.failed_ranks: set[int] = set()  # ranks of the last failed cell (%dist debug)
         self._store: tuple = (None, None)  # ((addr, port), the kernel's store connection)
 
@@ -364,8 +412,15 @@ class Pool:
 
         key = (self.addr, self.rendezvous_port)
         if self._store[0] != key:
-            self._store = (key, dist.TCPStore(self.addr, self.rendezvous_port, is_master=False,
-                                              timeout=datetime.timedelta(seconds=10)))
+            self._store = (
+                key,
+                dist.TCPStore(
+                    self.addr,
+                    self.rendezvous_port,
+                    is_master=False,
+                    timeout=datetime.timedelta(seconds=10),
+                ),
+            )
         return self._store[1]
 
     def dead_ranks(self) -> list[int]:

@@ -7,6 +7,7 @@ and runs through ``Pdb.onecmd``, and its output comes back. The frames and local
 are the rank's own; nothing is pickled but text. Stepping commands would trace the
 engine's next work, so they are refused: a post-mortem looks, it does not resume.
 """
+
 from __future__ import annotations
 
 from nbpar.errors import PoolError
@@ -14,8 +15,22 @@ from nbpar.errors import PoolError
 #: Commands that end the session.
 END = {"q", "quit", "exit", "c", "cont", "continue", "EOF"}
 #: Commands that would resume or trace the engine.
-REFUSED = {"n", "next", "s", "step", "r", "return", "unt", "until", "j", "jump", "debug",
-           "interact", "restart", "run"}
+REFUSED = {
+    "n",
+    "next",
+    "s",
+    "step",
+    "r",
+    "return",
+    "unt",
+    "until",
+    "j",
+    "jump",
+    "debug",
+    "interact",
+    "restart",
+    "run",
+}
 # Process-wide registry (one per engine): the open post-mortem, (pdb, output buffer).
 _open: dict = {}
 
@@ -73,8 +88,11 @@ def check_rank(pool, words) -> int:
         raise ValueError(f"%dist debug: rank must be a number, got {words[0]!r}") from None
     pool.ranks([rank])  # "rank(s) [5] do not exist: this pool has ranks 0..1"
     if rank not in pool.failed_ranks:
-        why = (f"the last failed cell failed on rank(s) {sorted(pool.failed_ranks)}"
-               if pool.failed_ranks else "no cell has failed on this pool's engines")
+        why = (
+            f"the last failed cell failed on rank(s) {sorted(pool.failed_ranks)}"
+            if pool.failed_ranks
+            else "no cell has failed on this pool's engines"
+        )
         raise PoolError(f"rank {rank} has no failure to debug: {why}")
     if rank in pool.dead_ranks():
         raise PoolError(f"rank {rank}'s engine is dead: nothing left to look at")
@@ -94,8 +112,10 @@ class PostMortem:
     def cmd(self, line: str) -> str:
         word = line.strip().split(" ", 1)[0]
         if word in REFUSED:
-            return (f"*** `{word}` would resume rank {self.rank}; a post-mortem only looks: "
-                    f"use where, up, down, list, ll, args, p EXPR\n")
+            return (
+                f"*** `{word}` would resume rank {self.rank}; a post-mortem only looks: "
+                f"use where, up, down, list, ll, args, p EXPR\n"
+            )
         return self.engine.apply_sync(command_on_engine, line)
 
     def close(self) -> None:

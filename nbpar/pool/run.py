@@ -7,6 +7,7 @@ Stopping goes through the rendezvous TCPStore: the client sets a key, the
 ranks read it at each step boundary and agree (an all-reduce), so every rank
 stops at the same step.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -57,8 +58,11 @@ class RunResult(dict):
         import html
 
         lines = self.summary()
-        return (f"<div class='nbpar-result'><b>{html.escape(lines[0])}</b><br>"
-                + "<br>".join(html.escape(x) for x in lines[1:]) + "</div>")
+        return (
+            f"<div class='nbpar-result'><b>{html.escape(lines[0])}</b><br>"
+            + "<br>".join(html.escape(x) for x in lines[1:])
+            + "</div>"
+        )
 
 
 class Run:
@@ -71,9 +75,12 @@ class Run:
         self.run_id = uuid.uuid4().hex[:12]
         self.started = time.time()
         self._results = None
-        self._ars = {r: pool.client[pool.engine_id(r)].apply_async(
-            train_on_engine, portable_fields(cfg.to_dict()), self.run_id, entry(cfg.model))
-            for r in ranks}
+        self._ars = {
+            r: pool.client[pool.engine_id(r)].apply_async(
+                train_on_engine, portable_fields(cfg.to_dict()), self.run_id, entry(cfg.model)
+            )
+            for r in ranks
+        }
         pool.track(self._ars)
 
     # -- live state ----------------------------------------------------------
@@ -102,8 +109,7 @@ class Run:
             except Exception:
                 from nbpar.pool.execute import interrupt
 
-                interrupt(self.pool, [r for r, a in self._ars.items() if not a.ready()],
-                          self._ars)
+                interrupt(self.pool, [r for r, a in self._ars.items() if not a.ready()], self._ars)
             raise
         for ar in self._ars.values():  # the last records may trail the reply
             ar.wait_for_output(OUTPUT_WAIT_S)
@@ -121,25 +127,54 @@ class Run:
             self._results = {r: ar.get() for r, ar in self._ars.items()}
         res = self._results
         last = res[self.ranks[-1]]
-        ranks = [{"rank": r, **{k: res[r][k] for k in
-                                ("param_bytes", "grad_bytes", "optim_bytes", "peak_bytes")},
-                  **{k: res[r].get(k) for k in ("comm_bytes", "comm_bytes_by_op", "comm_s",
-                                                "exposed_comm_s", "activation_bytes",
-                                                "process_peak_bytes")}}
-                 for r in self.ranks]
+        ranks = [
+            {
+                "rank": r,
+                **{
+                    k: res[r][k] for k in ("param_bytes", "grad_bytes", "optim_bytes", "peak_bytes")
+                },
+                **{
+                    k: res[r].get(k)
+                    for k in (
+                        "comm_bytes",
+                        "comm_bytes_by_op",
+                        "comm_s",
+                        "exposed_comm_s",
+                        "activation_bytes",
+                        "process_peak_bytes",
+                    )
+                },
+            }
+            for r in self.ranks
+        ]
         comm = [res[r]["comm_fraction"] for r in self.ranks if res[r]["comm_fraction"] is not None]
-        exposed = [res[r]["exposed_comm_fraction"] for r in self.ranks
-                   if res[r].get("exposed_comm_fraction") is not None]
-        bubbles = [res[r]["bubble_fraction"] for r in self.ranks
-                   if res[r].get("bubble_fraction") is not None]
-        forced = [res[r]["schedule_bubble_fraction"] for r in self.ranks
-                  if res[r].get("schedule_bubble_fraction") is not None]
-        return RunResult({"config": self.cfg.to_dict(), "losses": last["losses"], "ranks": ranks,
+        exposed = [
+            res[r]["exposed_comm_fraction"]
+            for r in self.ranks
+            if res[r].get("exposed_comm_fraction") is not None
+        ]
+        bubbles = [
+            res[r]["bubble_fraction"]
+            for r in self.ranks
+            if res[r].get("bubble_fraction") is not None
+        ]
+        forced = [
+            res[r]["schedule_bubble_fraction"]
+            for r in self.ranks
+            if res[r].get("schedule_bubble_fraction") is not None
+        ]
+        return RunResult(
+            {
+                "config": self.cfg.to_dict(),
+                "losses": last["losses"],
+                "ranks": ranks,
                 "step_time_s": max(res[r]["step_time_s"] for r in self.ranks),
                 "comm_fraction": statistics.mean(comm) if comm else 0.0,
                 "exposed_comm_fraction": statistics.mean(exposed) if exposed else None,
                 "bubble_fraction": max(bubbles) if bubbles else None,
-                "schedule_bubble_fraction": max(forced) if forced else None})
+                "schedule_bubble_fraction": max(forced) if forced else None,
+            }
+        )
 
     def estimate(self):
         """The analytic memory estimate for this run's model, strategy and degrees."""
@@ -156,11 +191,19 @@ class Run:
         strategy = cfg.strategy
         if strategy in ("ddp", "zero1", "zero2", "zero3") and dims.tp > 1:
             strategy = "hybrid" if strategy == "ddp" else strategy
-        return estimate_memory(n_params, world, strategy, dp=dims.dp, tp=dims.tp, pp=dims.pp,
-                               optimizer=cfg.optimizer,
-                               precision="fp32" if cfg.precision == "fp32" else "mixed",
-                               offload=cfg.offload, backend=cfg.backend,
-                               tp_replicated=replicated)
+        return estimate_memory(
+            n_params,
+            world,
+            strategy,
+            dp=dims.dp,
+            tp=dims.tp,
+            pp=dims.pp,
+            optimizer=cfg.optimizer,
+            precision="fp32" if cfg.precision == "fp32" else "mixed",
+            offload=cfg.offload,
+            backend=cfg.backend,
+            tp_replicated=replicated,
+        )
 
     def memory_vs_estimate(self) -> dict:
         """Per rank: measured param/grad/optimizer bytes next to the estimate."""
@@ -182,9 +225,11 @@ class Run:
 
         steps = {rec["step"] for rec in self.history}
         state = "done" if self.done() else "running"
-        return (f"<nbpar.Run {self.cfg.strategy}/{self.cfg.backend} "
-                f"{display_name(self.cfg.model)}: "
-                f"{len(steps)}/{self.cfg.steps} steps, {state}>")
+        return (
+            f"<nbpar.Run {self.cfg.strategy}/{self.cfg.backend} "
+            f"{display_name(self.cfg.model)}: "
+            f"{len(steps)}/{self.cfg.steps} steps, {state}>"
+        )
 
 
 def start_run(pool, cfg=None, **overrides) -> Run:

@@ -7,6 +7,7 @@ works while the main thread is blocked inside a collective, which releases the
 GIL) and the rank's recent collectives from torch's flight recorder (gloo and
 nccl both keep one; nbpar turns it on for every process group it makes).
 """
+
 from __future__ import annotations
 
 import json
@@ -49,19 +50,25 @@ def collectives(backend: str, last: int = RECENT) -> list[dict]:
         pg = e.get("process_group") or ["", ""]
         p2p = bool(e.get("is_p2p"))
         done = e.get("retired") or e.get("state") == "completed"
-        out.append({"seq": e.get("p2p_seq_id" if p2p else "collective_seq_id"),
-                    "op": str(e.get("profiling_name", "?")).split(":")[-1],
-                    "group": pg[1] if pg[1] not in ("", "default_pg") else "default",
-                    "group_id": pg[0], "shapes": e.get("input_sizes") or [],
-                    "dtypes": e.get("input_dtypes") or [],
-                    "state": "completed" if done else e.get("state", "scheduled")})
+        out.append(
+            {
+                "seq": e.get("p2p_seq_id" if p2p else "collective_seq_id"),
+                "op": str(e.get("profiling_name", "?")).split(":")[-1],
+                "group": pg[1] if pg[1] not in ("", "default_pg") else "default",
+                "group_id": pg[0],
+                "shapes": e.get("input_sizes") or [],
+                "dtypes": e.get("input_dtypes") or [],
+                "state": "completed" if done else e.get("state", "scheduled"),
+            }
+        )
     return out
 
 
 def _is_start(fs) -> bool:
     """The frame that runs user code: IPython's run_code (a cell), ipyparallel's apply."""
-    return ((fs.name == "run_code" and fs.filename.endswith("interactiveshell.py"))
-            or (fs.name in ("do_apply", "apply_request") and "ipyparallel" in fs.filename))
+    return (fs.name == "run_code" and fs.filename.endswith("interactiveshell.py")) or (
+        fs.name in ("do_apply", "apply_request") and "ipyparallel" in fs.filename
+    )
 
 
 def stack(thread_id: int) -> tuple[list[dict], bool]:
@@ -73,11 +80,18 @@ def stack(thread_id: int) -> tuple[list[dict], bool]:
     starts = [i for i, fs in enumerate(summary) if _is_start(fs)]
     if not starts:
         return [], False  # the engine waits for work
-    user = summary[starts[-1] + 1:]
+    user = summary[starts[-1] + 1 :]
     if summary[starts[-1]].name == "do_apply":  # skip the `result = f(*args)` it execs
         user = user[1:]
-    return [{"file": fs.filename, "line": fs.lineno, "function": fs.name,
-             "code": (fs.line or "").strip()} for fs in user], True
+    return [
+        {
+            "file": fs.filename,
+            "line": fs.lineno,
+            "function": fs.name,
+            "code": (fs.line or "").strip(),
+        }
+        for fs in user
+    ], True
 
 
 def _in_torch_distributed(frame: dict) -> bool:
@@ -101,10 +115,15 @@ def snapshot(rank: int, backend: str, thread_id: int) -> dict:
         at = frames[0] if cell else (user[-1] if user else frames[-1])
         where = {**at, "cell": cell}
     pending = [c for c in recent if c["state"] != "completed"]
-    return {"rank": rank, "pid": os.getpid(), "state": state, "where": where,
-            "stack": frames, "collectives": recent,
-            "waiting_in": (pending[-1] if pending else None) if state == "in collective"
-            else None}
+    return {
+        "rank": rank,
+        "pid": os.getpid(),
+        "state": state,
+        "where": where,
+        "stack": frames,
+        "collectives": recent,
+        "waiting_in": (pending[-1] if pending else None) if state == "in collective" else None,
+    }
 
 
 def serve(addr: str, port: int, rank: int, backend: str) -> None:
@@ -114,8 +133,7 @@ def serve(addr: str, port: int, rank: int, backend: str) -> None:
     threading.Thread(target=_serve, args=args, name="nbpar-doctor", daemon=True).start()
 
 
-def _serve(generation: int, addr: str, port: int, rank: int, backend: str,
-           thread_id: int) -> None:
+def _serve(generation: int, addr: str, port: int, rank: int, backend: str, thread_id: int) -> None:
     import torch.distributed as dist
 
     try:

@@ -1,4 +1,5 @@
 """How a pool looks: one row per rank (rank, host, device, pid, memory, state)."""
+
 from __future__ import annotations
 
 import html
@@ -28,23 +29,38 @@ def pool_status(pool) -> list[dict]:
     for rank, eng in enumerate(pool.engines):
         busy = rank in busy_ranks
         state = "dead" if rank in dead else "busy" if busy else "ready"
-        rows.append({"rank": rank, "host": eng["host"], "pid": eng["pid"],
-                     "device": eng["device"], "state": state,
-                     "memory": None if rank in dead else _rss(eng["pid"], eng["host"]),
-                     "backend": eng["backend"], "engine_id": eng["engine_id"],
-                     "env": {k: v for k, v in pool.env.items()}})
+        rows.append(
+            {
+                "rank": rank,
+                "host": eng["host"],
+                "pid": eng["pid"],
+                "device": eng["device"],
+                "state": state,
+                "memory": None if rank in dead else _rss(eng["pid"], eng["host"]),
+                "backend": eng["backend"],
+                "engine_id": eng["engine_id"],
+                "env": {k: v for k, v in pool.env.items()},
+            }
+        )
     return rows
 
 
 def _cells(row) -> list[str]:
-    return [str(row["rank"]), row["host"], row["device"], str(row["pid"]),
-            human_bytes(row["memory"]), row["state"]]
+    return [
+        str(row["rank"]),
+        row["host"],
+        row["device"],
+        str(row["pid"]),
+        human_bytes(row["memory"]),
+        row["state"],
+    ]
 
 
 def status_text(pool) -> str:
     rows = pool_status(pool)
-    head = (f"nbpar.Pool: {pool.n} engine(s), backend {pool.backend}, "
-            f"launcher {pool.launcher}" + (" (shut down)" if pool.closed else ""))
+    head = f"nbpar.Pool: {pool.n} engine(s), backend {pool.backend}, launcher {pool.launcher}" + (
+        " (shut down)" if pool.closed else ""
+    )
     table = [list(COLUMNS)] + [_cells(r) for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
@@ -55,12 +71,15 @@ def status_html(pool) -> str:
     rows = pool_status(pool)
     esc = html.escape
     head = "".join(f"<th>{c}</th>" for c in COLUMNS)
-    body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in _cells(r)) + "</tr>"
-                   for r in rows)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{esc(c)}</td>" for c in _cells(r)) + "</tr>" for r in rows
+    )
     env = ""
     if pool.env:
         env = "<br>env: " + esc(", ".join(f"{k}={v}" for k, v in sorted(pool.env.items())))
-    return (f"<div class='nbpar-pool'><b>nbpar.Pool</b>: {pool.n} engine(s), backend "
-            f"<code>{esc(pool.backend)}</code>, launcher <code>{esc(pool.launcher)}</code>"
-            f"{' (shut down)' if pool.closed else ''}{env}"
-            f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>")
+    return (
+        f"<div class='nbpar-pool'><b>nbpar.Pool</b>: {pool.n} engine(s), backend "
+        f"<code>{esc(pool.backend)}</code>, launcher <code>{esc(pool.launcher)}</code>"
+        f"{' (shut down)' if pool.closed else ''}{env}"
+        f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
+    )

@@ -9,6 +9,7 @@ output however fast the ranks were: one empty area, then the grouped output (a
 runner that applies updates, like nbconvert, and one that ignores them, like nbval,
 agree). Nothing is read before the first poll.
 """
+
 from __future__ import annotations
 
 from collections import deque

@@ -6,6 +6,7 @@ default process group through it. Everything here is re-runnable: joining
 again first leaves the old group, so re-running the cell that makes a pool
 never hits "initialize the default process group twice".
 """
+
 from __future__ import annotations
 
 import os
@@ -67,9 +68,14 @@ def open_store(peer_host: str, port: int, timeout_s: float) -> tuple[str, int]:
         sock.close()
         raise OSError(f"cannot listen on {addr}:{port} for the rendezvous: {err}") from None
     try:
-        store = dist.TCPStore(addr, sock.getsockname()[1], is_master=True,
-                              wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
-                              master_listen_fd=sock.fileno())
+        store = dist.TCPStore(
+            addr,
+            sock.getsockname()[1],
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout_s),
+            master_listen_fd=sock.fileno(),
+        )
     except BaseException:
         sock.close()
         raise
@@ -78,8 +84,16 @@ def open_store(peer_host: str, port: int, timeout_s: float) -> tuple[str, int]:
     return addr, store.port
 
 
-def join(rank: int, world_size: int, addr: str, port: int, backend: str,
-         timeout_s: float, env: dict, watch: dict | None = None) -> dict:
+def join(
+    rank: int,
+    world_size: int,
+    addr: str,
+    port: int,
+    backend: str,
+    timeout_s: float,
+    env: dict,
+    watch: dict | None = None,
+) -> dict:
     """Join the default process group as ``rank``; return this engine's facts."""
     import torch
     import torch.distributed as dist
@@ -91,8 +105,7 @@ def join(rank: int, world_size: int, addr: str, port: int, backend: str,
     snapshot.enable_recorder()
     if rank != 0:
         leave()
-        store = dist.TCPStore(addr, port, is_master=False,
-                              timeout=timedelta(seconds=timeout_s))
+        store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s))
         _state["store"] = store
     store = _state["store"]
     host = socket.gethostname()
@@ -101,21 +114,39 @@ def join(rank: int, world_size: int, addr: str, port: int, backend: str,
     local_rank = hosts[:rank].count(host)
     local_world = hosts.count(host)
     dev = device.bind(local_rank, backend)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
-                      LOCAL_WORLD_SIZE=str(local_world), MASTER_ADDR=addr,
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(local_rank),
+        LOCAL_WORLD_SIZE=str(local_world),
+        MASTER_ADDR=addr,
+        MASTER_PORT=str(port),
+    )
     if backend == "gloo" and "OMP_NUM_THREADS" not in env:
         # engines on one host share its cores: don't oversubscribe them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore("pg", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
     if watch and watch.get("host") == host:
         _watch_client(watch["pid"], watch.get("also_kill", ()))
     snapshot.serve(addr, port, rank, backend)  # answers pool.doctor() from a side thread
     _state.update(rank=rank, world_size=world_size, backend=backend)
-    return {"rank": rank, "host": host, "pid": os.getpid(), "device": dev,
-            "local_rank": local_rank, "backend": backend, "addr": addr, "port": port,
-            "threads": torch.get_num_threads()}
+    return {
+        "rank": rank,
+        "host": host,
+        "pid": os.getpid(),
+        "device": dev,
+        "local_rank": local_rank,
+        "backend": backend,
+        "addr": addr,
+        "port": port,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def _watch_client(client_pid: int, also_kill=()) -> None:
@@ -150,5 +181,8 @@ def memory() -> dict:
     """Resident and peak memory of this engine, plus device memory on GPUs."""
     from nbpar import device
 
-    return {"rss_bytes": device.rss_bytes() or 0, "peak_rss_bytes": device.peak_rss_bytes(),
-            **device.memory_stats(_state.get("backend", "gloo"))}
+    return {
+        "rss_bytes": device.rss_bytes() or 0,
+        "peak_rss_bytes": device.peak_rss_bytes(),
+        **device.memory_stats(_state.get("backend", "gloo")),
+    }

@@ -5,6 +5,7 @@ fake tensors under a fake process group and reports what it holds and sends
 (`nbpar.simulate.run`); `nbpar.simulate.fit.what_fits` lists the layouts whose simulated
 peak fits a device. Nothing heavy loads until a simulation runs.
 """
+
 from __future__ import annotations
 
 import sys

@@ -4,6 +4,7 @@
 ``{"d_model": 8192, "n_layers": 80, "n_heads": 64}``; other models take it as their
 ``model_config``. Bad input raises ValueError (one line) before anything is simulated.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,10 @@ STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "tp", "pipeline", "hyb
 
 def add_parser(sub, positive_int, positive_float) -> None:
     """Register ``simulate`` on the subparsers ``sub`` of the nbpar command."""
-    s = sub.add_parser("simulate", help="what each rank of an N-rank run holds and sends, "
-                                        "simulated on fake tensors")
+    s = sub.add_parser(
+        "simulate",
+        help="what each rank of an N-rank run holds and sends, simulated on fake tensors",
+    )
     s.add_argument("--model", default="tiny_gpt")
     s.add_argument("--model-config", default=None, help="JSON: tiny_gpt's gpt sizes")
     s.add_argument("--strategy", choices=STRATEGIES, default="ddp")
@@ -25,16 +28,32 @@ def add_parser(sub, positive_int, positive_float) -> None:
     s.add_argument("--precision", choices=("fp32", "bf16", "mixed"), default="fp32")
     s.add_argument("--optimizer", choices=("adam", "adamw", "sgd"), default="adam")
     s.add_argument("--micro-batch", type=positive_int, default=1)
-    s.add_argument("--grad-accum", type=positive_int, default=None,
-                   help="micro-batches per step; default 1, or pp for a pipeline")
+    s.add_argument(
+        "--grad-accum",
+        type=positive_int,
+        default=None,
+        help="micro-batches per step; default 1, or pp for a pipeline",
+    )
     s.add_argument("--seq-len", type=positive_int, default=None)
-    s.add_argument("--fsdp-reshard", choices=("true", "false"), default=None,
-                   help="hybrid: shard each stage with FSDP2 over dp (ZeRO-3 / ZeRO-2)")
-    s.add_argument("--device-memory", type=positive_float, default=None, metavar="GB",
-                   help="add fits and margin_bytes against this much device memory")
-    s.add_argument("--what-fits", action="store_true",
-                   help="with --device-memory: simulate every strategy on --world-size "
-                        "ranks and list those whose peak fits")
+    s.add_argument(
+        "--fsdp-reshard",
+        choices=("true", "false"),
+        default=None,
+        help="hybrid: shard each stage with FSDP2 over dp (ZeRO-3 / ZeRO-2)",
+    )
+    s.add_argument(
+        "--device-memory",
+        type=positive_float,
+        default=None,
+        metavar="GB",
+        help="add fits and margin_bytes against this much device memory",
+    )
+    s.add_argument(
+        "--what-fits",
+        action="store_true",
+        help="with --device-memory: simulate every strategy on --world-size "
+        "ranks and list those whose peak fits",
+    )
     s.add_argument("--json", action="store_true")
 
 
@@ -64,10 +83,18 @@ def config(args):
         extra["schedule"] = args.schedule
     if args.fsdp_reshard is not None:
         extra["fsdp_reshard"] = args.fsdp_reshard == "true"
-    return TrainConfig(model=args.model, strategy=args.strategy, dp=args.dp, tp=args.tp,
-                       pp=args.pp, precision=args.precision, optimizer=args.optimizer,
-                       micro_batch=args.micro_batch, grad_accum=args.grad_accum or pp,
-                       **extra)
+    return TrainConfig(
+        model=args.model,
+        strategy=args.strategy,
+        dp=args.dp,
+        tp=args.tp,
+        pp=args.pp,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        micro_batch=args.micro_batch,
+        grad_accum=args.grad_accum or pp,
+        **extra,
+    )
 
 
 def run(args) -> dict:
@@ -79,6 +106,9 @@ def run(args) -> dict:
     if args.what_fits:
         if args.device_memory is None:
             raise ValueError("--what-fits needs --device-memory GB")
-        return {"world_size": args.world_size, "device_memory_gb": args.device_memory,
-                "layouts": what_fits(cfg, args.world_size, args.device_memory)}
+        return {
+            "world_size": args.world_size,
+            "device_memory_gb": args.device_memory,
+            "layouts": what_fits(cfg, args.world_size, args.device_memory),
+        }
     return dict(simulate(cfg, args.world_size, device_memory_gb=args.device_memory))

@@ -4,6 +4,7 @@ Every candidate is a real simulation (`nbpar.simulate.run`), so what fits is wha
 strategy code would hold, not a formula; a layout the model cannot take (heads that tp
 does not divide, fewer layers than stages) is listed with its reason.
 """
+
 from __future__ import annotations
 
 import copy
@@ -25,8 +26,9 @@ def layouts(cfg, world_size: int, strategies=DEFAULT_STRATEGIES) -> list:
     return out
 
 
-def what_fits(cfg, world_size: int, device_memory_gb: float, *,
-              strategies=DEFAULT_STRATEGIES) -> list[dict]:
+def what_fits(
+    cfg, world_size: int, device_memory_gb: float, *, strategies=DEFAULT_STRATEGIES
+) -> list[dict]:
     """One row per layout, those that fit first, largest margin first: ``strategy``,
     ``dp``, ``tp``, ``pp``, ``peak_bytes``, ``fits``, ``margin_bytes`` (or ``error``)."""
     from nbpar.simulate.run import capacity_bytes, simulate
@@ -41,7 +43,15 @@ def what_fits(cfg, world_size: int, device_memory_gb: float, *,
             rows.append({**row, "fits": False, "error": str(err)})
             continue
         conf = sim["config"]
-        rows.append({**row, "dp": conf["dp"], "tp": conf["tp"], "pp": conf["pp"],
-                     "peak_bytes": max(r["peak_bytes"] for r in sim["ranks"]),
-                     "fits": sim["fits"], "margin_bytes": sim["margin_bytes"]})
-    return sorted(rows, key=lambda r: (not r["fits"], -r.get("margin_bytes", -2 ** 62)))
+        rows.append(
+            {
+                **row,
+                "dp": conf["dp"],
+                "tp": conf["tp"],
+                "pp": conf["pp"],
+                "peak_bytes": max(r["peak_bytes"] for r in sim["ranks"]),
+                "fits": sim["fits"],
+                "margin_bytes": sim["margin_bytes"],
+            }
+        )
+    return sorted(rows, key=lambda r: (not r["fits"], -r.get("margin_bytes", -(2**62))))

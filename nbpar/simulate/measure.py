@@ -7,6 +7,7 @@ count), ``activation_bytes`` and ``peak_bytes`` from the same meter
 `nbpar.train.comm.CommMeter`; plus what only a simulation splits out:
 ``comm_buffer_bytes`` and ``temp_bytes`` at the peak (`nbpar.simulate.meter`).
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,10 @@ def example_batch(cfg, model: nn.Module):
         return torch.randn(b, 3, 32, 32), torch.randint(0, 10, (b,))
     emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     if emb is None:
-        raise ValueError(f"model {cfg.model!r} takes no token ids (no nn.Embedding); "
-                         f"simulate knows the inputs of simple_cnn and language models")
+        raise ValueError(
+            f"model {cfg.model!r} takes no token ids (no nn.Embedding); "
+            f"simulate knows the inputs of simple_cnn and language models"
+        )
     tokens = torch.randint(0, emb.num_embeddings, (b, cfg.gpt.seq_len))
     return tokens, tokens
 
@@ -42,9 +45,11 @@ def explain(err: Exception, what: str, model_name) -> ValueError:
     """One line: which model, which step, which module, what went wrong."""
     where = failing_module(err.__traceback__)
     first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    return ValueError(f"model {model_name!r} cannot be {what} on fake tensors"
-                      + (f": in module {where}" if where else "")
-                      + f": {type(err).__name__}: {first}")
+    return ValueError(
+        f"model {model_name!r} cannot be {what} on fake tensors"
+        + (f": in module {where}" if where else "")
+        + f": {type(err).__name__}: {first}"
+    )
 
 
 def warm_up(runner, batches) -> None:

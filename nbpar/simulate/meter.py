@@ -6,6 +6,7 @@ collective reads or writes (FSDP2's all-gather outputs and reduce-scatter inputs
 flat gradient of an all-reduce, pipeline send/recv buffers) while they live, and
 remembers what the peak was made of.
 """
+
 from __future__ import annotations
 
 import torch
@@ -50,8 +51,7 @@ class SimMemory(StepMemory):
         if self.error is None and func.namespace in COMM_NAMESPACES:
             for t in tree_leaves((args, kwargs, out)):
                 st = _storage(t) if isinstance(t, torch.Tensor) else None
-                if st is not None and st._cdata in self.kind \
-                        and st._cdata not in self.comm_keys:
+                if st is not None and st._cdata in self.kind and st._cdata not in self.comm_keys:
                     self.comm_keys.add(st._cdata)
                     self.comm += self.kind[st._cdata][0]
         return out
@@ -60,5 +60,4 @@ class SimMemory(StepMemory):
         """The peak split: activations and communication buffers live at that moment,
         and temporaries = the rest beyond the model states (``states`` bytes)."""
         acts, comm = self.at_peak["activations"], self.at_peak["comm"]
-        return {"comm_buffer_bytes": comm,
-                "temp_bytes": max(0, self.peak - states - acts - comm)}
+        return {"comm_buffer_bytes": comm, "temp_bytes": max(0, self.peak - states - acts - comm)}

@@ -7,14 +7,17 @@ heads and widths), so one rank per stage stands for the stage: its first rank.
 ZeroRedundancyOptimizer (zero1) is the exception the numbers mention: it hands whole
 tensors to dp ranks greedily, so their optimizer shares differ slightly.
 """
+
 from __future__ import annotations
 
 
 def roles(dims) -> list[tuple[int, list[int]]]:
     """[(rank simulated, ranks it stands for)] — one entry per pipeline stage."""
     per_stage = dims.dp * dims.tp
-    return [(stage * per_stage, list(range(stage * per_stage, (stage + 1) * per_stage)))
-            for stage in range(dims.pp)]
+    return [
+        (stage * per_stage, list(range(stage * per_stage, (stage + 1) * per_stage)))
+        for stage in range(dims.pp)
+    ]
 
 
 def describe(ranks: list[int]) -> str:

@@ -5,6 +5,7 @@ widths tp divides, layers for pp stages), then one rank per role is simulated
 (`nbpar.simulate.roles`) on fake tensors (`nbpar.simulate.world`) with the strategy code
 of a real run (`nbpar.simulate.runners`).
 """
+
 from __future__ import annotations
 
 import copy
@@ -12,7 +13,7 @@ import time
 
 from nbpar.estimate import format_bytes
 
-GIB = 2 ** 30
+GIB = 2**30
 PRECISIONS = {"fp32": "fp32", "bf16": "bf16", "mixed": "bf16"}  # mixed = bf16 autocast
 
 
@@ -40,20 +41,34 @@ class Simulation(dict):
         from nbpar.simulate.roles import describe
 
         cfg = self["config"]
-        lines = [f"{cfg['strategy']} {cfg['model']} on {cfg['world_size']} ranks "
-                 f"(dp {cfg['dp']} x tp {cfg['tp']} x pp {cfg['pp']}), {cfg['precision']}, "
-                 f"micro-batch {cfg['micro_batch']}: simulated in {self['seconds']:.0f} s",
-                 f"{'ranks':>12} {'params':>9} {'grads':>9} {'optimizer':>9} "
-                 f"{'activ.':>9} {'peak':>9} {'sent/step':>9}"]
+        lines = [
+            f"{cfg['strategy']} {cfg['model']} on {cfg['world_size']} ranks "
+            f"(dp {cfg['dp']} x tp {cfg['tp']} x pp {cfg['pp']}), {cfg['precision']}, "
+            f"micro-batch {cfg['micro_batch']}: simulated in {self['seconds']:.0f} s",
+            f"{'ranks':>12} {'params':>9} {'grads':>9} {'optimizer':>9} "
+            f"{'activ.':>9} {'peak':>9} {'sent/step':>9}",
+        ]
         for r in self["ranks"]:
-            lines.append(f"{describe(r['stands_for']):>12} " + " ".join(
-                f"{format_bytes(r[k]):>9}" for k in ("param_bytes", "grad_bytes",
-                                                     "optim_bytes", "activation_bytes",
-                                                     "peak_bytes", "comm_bytes")))
+            lines.append(
+                f"{describe(r['stands_for']):>12} "
+                + " ".join(
+                    f"{format_bytes(r[k]):>9}"
+                    for k in (
+                        "param_bytes",
+                        "grad_bytes",
+                        "optim_bytes",
+                        "activation_bytes",
+                        "peak_bytes",
+                        "comm_bytes",
+                    )
+                )
+            )
         if "fits" in self:
-            lines.append(f"fits in {format_bytes(self['device_memory_bytes'])}: "
-                         f"{'yes' if self['fits'] else 'no'}, margin "
-                         f"{format_bytes(self['margin_bytes'])}")
+            lines.append(
+                f"fits in {format_bytes(self['device_memory_bytes'])}: "
+                f"{'yes' if self['fits'] else 'no'}, margin "
+                f"{format_bytes(self['margin_bytes'])}"
+            )
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -71,8 +86,13 @@ def simulate(cfg, world_size: int, *, device_memory_gb: float | None = None) -> 
     capacity = None if device_memory_gb is None else capacity_bytes(device_memory_gb)
     cfg, dims = prepare(cfg, world_size)
     ranks = simulate_ranks(cfg, dims) if dims.pp == 1 else _in_child(cfg, dims)
-    config = {**cfg.to_dict(), "world_size": world_size, "dp": dims.dp, "tp": dims.tp,
-              "pp": dims.pp}
+    config = {
+        **cfg.to_dict(),
+        "world_size": world_size,
+        "dp": dims.dp,
+        "tp": dims.tp,
+        "pp": dims.pp,
+    }
     out = Simulation(config=config, ranks=ranks, seconds=time.perf_counter() - start)
     if capacity is not None:
         out.update(fit_figures(ranks, capacity))
@@ -84,8 +104,10 @@ def simulate_ranks(cfg, dims) -> list[dict]:
     from nbpar.simulate.measure import simulate_rank
     from nbpar.simulate.roles import roles
 
-    return [{**simulate_rank(cfg, dims, rank), "stands_for": stands_for}
-            for rank, stands_for in roles(dims)]
+    return [
+        {**simulate_rank(cfg, dims, rank), "stands_for": stands_for}
+        for rank, stands_for in roles(dims)
+    ]
 
 
 def _in_child(cfg, dims) -> list[dict]:
@@ -102,16 +124,21 @@ def _in_child(cfg, dims) -> list[dict]:
 
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_child, args=(cloudpickle.dumps((cfg, dims)), send),
-                        daemon=True, name="nbpar-simulate")
+    child = ctx.Process(
+        target=_child,
+        args=(cloudpickle.dumps((cfg, dims)), send),
+        daemon=True,
+        name="nbpar-simulate",
+    )
     child.start()
     send.close()
     try:
         kind, value = cloudpickle.loads(receive.recv_bytes())
     except EOFError:
         child.join()
-        raise RuntimeError(f"the simulation's process ended without a result (exit code "
-                           f"{child.exitcode})") from None
+        raise RuntimeError(
+            f"the simulation's process ended without a result (exit code {child.exitcode})"
+        ) from None
     finally:
         receive.close()
     child.join()
@@ -139,10 +166,12 @@ def _child(payload: bytes, send) -> None:
 
 def capacity_bytes(device_memory_gb: float) -> int:
     """Decimal GB -> bytes; one line for anything but a positive number."""
-    if isinstance(device_memory_gb, bool) or not isinstance(device_memory_gb, (int, float)) \
-            or not device_memory_gb > 0:
-        raise ValueError(f"device memory must be a positive number of GB, "
-                         f"got {device_memory_gb!r}")
+    if (
+        isinstance(device_memory_gb, bool)
+        or not isinstance(device_memory_gb, (int, float))
+        or not device_memory_gb > 0
+    ):
+        raise ValueError(f"device memory must be a positive number of GB, got {device_memory_gb!r}")
     return int(device_memory_gb * 1e9)
 
 

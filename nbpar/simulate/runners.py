@@ -13,6 +13,7 @@ get a stand-in that does the same work:
 
 DeepSpeed is refused: its engine flattens and copies real parameters at initialize.
 """
+
 from __future__ import annotations
 
 from nbpar.parallel.runner import optimizer_state_tensors, tensor_bytes
@@ -31,10 +32,15 @@ class Zero1StandIn(TensorParallelRunner):
 def check_simulable(cfg) -> None:
     """One line for what a fake world cannot run."""
     if cfg.backend != "torch":
-        raise ValueError("backend 'deepspeed' cannot be simulated: its engine flattens and "
-                         "copies real parameters at initialize; simulate backend 'torch'")
-    if cfg.strategy in ("pipeline", "hybrid") and (cfg.pp or 1) > 1 \
-            and cfg.schedule == "interleaved":
+        raise ValueError(
+            "backend 'deepspeed' cannot be simulated: its engine flattens and "
+            "copies real parameters at initialize; simulate backend 'torch'"
+        )
+    if (
+        cfg.strategy in ("pipeline", "hybrid")
+        and (cfg.pp or 1) > 1
+        and cfg.schedule == "interleaved"
+    ):
         raise ValueError("schedule 'interleaved' is not simulated; use 'gpipe' or '1f1b'")
 
 
@@ -48,13 +54,20 @@ def _data_parallel_standin(model, cfg, mesh):
     group = dp.get_group() if dp.size() > 1 else None
     if cfg.strategy == "zero1":
         cls, kwargs = optimizer_spec(cfg)
-        opt = ZeroRedundancyOptimizer(list(model.parameters()), optimizer_class=cls,
-                                      process_group=dp.get_group(), **kwargs)
+        opt = ZeroRedundancyOptimizer(
+            list(model.parameters()), optimizer_class=cls, process_group=dp.get_group(), **kwargs
+        )
         runner_cls = Zero1StandIn
     else:
         opt, runner_cls = make_optimizer(model.parameters(), cfg), TensorParallelRunner
-    return runner_cls(model, opt, loss_fn(cfg.model), autocast_dtype=autocast_dtype(cfg),
-                      device_type="cpu", dp_group=group)
+    return runner_cls(
+        model,
+        opt,
+        loss_fn(cfg.model),
+        autocast_dtype=autocast_dtype(cfg),
+        device_type="cpu",
+        dp_group=group,
+    )
 
 
 def make_runner(model, cfg, mesh, rank: int):

@@ -10,6 +10,7 @@ Narayanan et al. 2019), so stage i holds at most p - i micro-batches. Boundaries
 ``dist.send``/``dist.recv`` calls on the fake group, one activation forward and one
 gradient back per micro-batch, so the communication meter counts them.
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,8 +38,19 @@ class StageStep(StepRunner):
 
     reduce_data_parallel_grads = HybridRunner.reduce_data_parallel_grads
 
-    def __init__(self, *args, stage: int, pp: int, schedule: str, rank: int, stride: int,
-                 pp_group, dp_group=None, fsdp: bool = False, **kwargs):
+    def __init__(
+        self,
+        *args,
+        stage: int,
+        pp: int,
+        schedule: str,
+        rank: int,
+        stride: int,
+        pp_group,
+        dp_group=None,
+        fsdp: bool = False,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         self.stage, self.pp, self.schedule, self.pp_group = stage, pp, schedule, pp_group
         self.prev, self.next = rank - stride, rank + stride  # neighbours' global ranks
@@ -108,9 +120,17 @@ def build_stage_runner(model: nn.Module, cfg, mesh, rank: int) -> StageStep:
     if dp > 1 and reshard is not None:
         _apply_fsdp(chunk, mesh["dp"], reshard)
     dp_group = mesh["dp"].get_group() if dp > 1 and reshard is None else None
-    return StageStep(chunk, make_optimizer(chunk.parameters(), cfg), loss_fn(cfg.model),
-                     autocast_dtype=autocast_dtype(cfg), stage=stage, pp=pp,
-                     schedule=cfg.schedule, rank=rank, stride=dp * tp,
-                     pp_group=mesh["pp"].get_group(), dp_group=dp_group,
-                     fsdp=dp > 1 and reshard is not None)
-
+    return StageStep(
+        chunk,
+        make_optimizer(chunk.parameters(), cfg),
+        loss_fn(cfg.model),
+        autocast_dtype=autocast_dtype(cfg),
+        stage=stage,
+        pp=pp,
+        schedule=cfg.schedule,
+        rank=rank,
+        stride=dp * tp,
+        pp_group=mesh["pp"].get_group(),
+        dp_group=dp_group,
+        fsdp=dp > 1 and reshard is not None,
+    )

@@ -8,6 +8,7 @@ fake mode is entered (inside it, mesh creation fails). On leaving, the group and
 meshes are destroyed, DTensor's caches forgotten, and the process is left as it was
 found: a real run may follow.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,9 +20,11 @@ def check_free() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        raise ValueError("this process already has a torch.distributed process group; "
-                         "simulate in a process without one (e.g. the notebook kernel, "
-                         "not a %%dist cell)")
+        raise ValueError(
+            "this process already has a torch.distributed process group; "
+            "simulate in a process without one (e.g. the notebook kernel, "
+            "not a %%dist cell)"
+        )
 
 
 @contextlib.contextmanager
@@ -33,8 +36,7 @@ def fake_rank(rank: int, dims, device_type: str = "cpu"):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     check_free()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank,
-                            world_size=dims.world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world_size)
     try:
         mesh = dims.build_mesh(device_type)
         with warnings.catch_warnings():

@@ -7,6 +7,7 @@
 and `nbpar.parallel`; never `nbpar.pool` or `nbpar.view`. Importing this package
 imports nothing else.
 """
+
 from __future__ import annotations
 
 

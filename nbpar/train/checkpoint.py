@@ -16,6 +16,7 @@ A runner with a DeepSpeed ``engine`` goes through ``engine.save_checkpoint`` /
 Writes go to a temp folder renamed after every rank finished, then the
 ``latest`` pointer flips atomically (see `nbpar.train.checkpoint_meta` for the layout).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -108,8 +109,13 @@ def dcp_load(runner, path: str, *, distributed: bool) -> None:
     state = {"model": msd, "optim": osd}
     with _quiet(distributed):
         dcp.load(state, checkpoint_id=path, no_dist=not distributed)
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"], options=OPTIONS)
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=OPTIONS,
+    )
 
 
 def deepspeed_save(runner, path: str, *, distributed: bool) -> None:
@@ -118,8 +124,9 @@ def deepspeed_save(runner, path: str, *, distributed: bool) -> None:
 
 
 def deepspeed_load(runner, path: str, *, distributed: bool) -> None:
-    runner.engine.load_checkpoint(path, tag=DS_TAG, load_optimizer_states=True,
-                                  load_lr_scheduler_states=False)
+    runner.engine.load_checkpoint(
+        path, tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+    )
 
 
 def _hooks(runner):
@@ -127,10 +134,11 @@ def _hooks(runner):
     if hasattr(runner, "save_checkpoint") and hasattr(runner, "load_checkpoint"):
         return runner.save_checkpoint, runner.load_checkpoint
     if hasattr(getattr(runner, "engine", None), "save_checkpoint"):
-        return (lambda p, **kw: deepspeed_save(runner, p, **kw),
-                lambda p, **kw: deepspeed_load(runner, p, **kw))
-    return (lambda p, **kw: dcp_save(runner, p, **kw),
-            lambda p, **kw: dcp_load(runner, p, **kw))
+        return (
+            lambda p, **kw: deepspeed_save(runner, p, **kw),
+            lambda p, **kw: deepspeed_load(runner, p, **kw),
+        )
+    return (lambda p, **kw: dcp_save(runner, p, **kw), lambda p, **kw: dcp_load(runner, p, **kw))
 
 
 def _save_state(runner, path, distributed):
@@ -151,8 +159,9 @@ def _rng_file(step_dir: str, rank: int) -> str:
     return os.path.join(step_dir, "rng", f"rank_{rank:05d}.pt")
 
 
-def save(cfg, runner, step: int, position: dict, *, rank: int, world: int, dims,
-         distributed: bool) -> str:
+def save(
+    cfg, runner, step: int, position: dict, *, rank: int, world: int, dims, distributed: bool
+) -> str:
     """Write checkpoint ``step`` of this run on every rank; return its folder.
 
     ``position`` is the data position, ``{"epoch", "batches_in_epoch"}`` of this
@@ -171,15 +180,19 @@ def save(cfg, runner, step: int, position: dict, *, rank: int, world: int, dims,
     _barrier(distributed)  # every shard and RNG file is on disk
     if rank == 0:
         meta = {
-            "version": FORMAT_VERSION, "step": step, "format": getattr(
-                runner, "checkpoint_format", checkpoint_format(cfg)),
-            "world_size": world, "dims": {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp},
+            "version": FORMAT_VERSION,
+            "step": step,
+            "format": getattr(runner, "checkpoint_format", checkpoint_format(cfg)),
+            "world_size": world,
+            "dims": {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp},
             # a factory callable is written as its "module:name" (importable unless __main__)
             "config": {**json_fields(cfg.to_dict()), "resume_from": None},
-            "model": model_signature(cfg), "global_batch": cfg.global_batch(world),
-            "data": {"epoch": position["epoch"],
-                     "samples_in_epoch": position["batches_in_epoch"] * cfg.micro_batch
-                     * dims.dp},
+            "model": model_signature(cfg),
+            "global_batch": cfg.global_batch(world),
+            "data": {
+                "epoch": position["epoch"],
+                "samples_in_epoch": position["batches_in_epoch"] * cfg.micro_batch * dims.dp,
+            },
             "time": time.time(),
         }
         atomic_write_text(os.path.join(tmp, META), json.dumps(meta, indent=1, sort_keys=True))
@@ -203,7 +216,7 @@ def prune(root: str, keep: int) -> None:
     with open(os.path.join(root, LATEST)) as f:
         current = os.path.join(root, f.read().strip())
     done = list_checkpoints(root)
-    for _, path in done[:max(0, len(done) - keep)]:
+    for _, path in done[: max(0, len(done) - keep)]:
         if path != current:
             shutil.rmtree(path, ignore_errors=True)
 
@@ -271,6 +284,7 @@ def _deepspeed_weights(step_dir: str) -> dict:
 
     if glob.glob(os.path.join(step_dir, DS_TAG, "*optim_states.pt")):
         return get_fp32_state_dict_from_zero_checkpoint(step_dir, tag=DS_TAG)
-    states = torch.load(os.path.join(step_dir, DS_TAG, "mp_rank_00_model_states.pt"),
-                        weights_only=False)  # DeepSpeed pickles its config objects too
+    states = torch.load(
+        os.path.join(step_dir, DS_TAG, "mp_rank_00_model_states.pt"), weights_only=False
+    )  # DeepSpeed pickles its config objects too
     return {k: v.float() for k, v in states["module"].items()}

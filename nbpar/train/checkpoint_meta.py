@@ -12,6 +12,7 @@ finished; ``latest`` is replaced atomically after that, so a crash mid-save
 leaves the previous ``latest`` valid. This module never imports torch at import
 time: the client runs `check_resume` before any engine works.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -97,8 +98,10 @@ def latest(checkpoint_dir: str) -> str | None:
     with open(pointer) as f:
         name = f.read().strip()
     if not STEP_RE.match(name):
-        raise ValueError(f"checkpoint pointer {pointer} is corrupt: it holds {name[:40]!r}, "
-                         f"expected a name like 'step_000010'")
+        raise ValueError(
+            f"checkpoint pointer {pointer} is corrupt: it holds {name[:40]!r}, "
+            f"expected a name like 'step_000010'"
+        )
     return os.path.join(checkpoint_dir, name)
 
 
@@ -114,11 +117,14 @@ def resolve(path) -> str:
         return path
     step_dir = latest(path) if os.path.isdir(path) else None
     if step_dir is None:
-        raise ValueError(f"{path} is not a checkpoint: it has neither {META} nor a "
-                         f"'{LATEST}' pointer")
+        raise ValueError(
+            f"{path} is not a checkpoint: it has neither {META} nor a '{LATEST}' pointer"
+        )
     if not os.path.isfile(os.path.join(step_dir, META)):
-        raise FileNotFoundError(f"checkpoint pointer {os.path.join(path, LATEST)} names "
-                                f"{step_dir}, which is missing or incomplete")
+        raise FileNotFoundError(
+            f"checkpoint pointer {os.path.join(path, LATEST)} names "
+            f"{step_dir}, which is missing or incomplete"
+        )
     return step_dir
 
 
@@ -132,14 +138,25 @@ def read_meta(step_dir: str) -> dict:
         raise FileNotFoundError(f"checkpoint {step_dir} has no {META}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"checkpoint metadata {file} is corrupt ({e})") from None
-    need = ("version", "step", "format", "world_size", "dims", "config", "model",
-            "global_batch", "data")
+    need = (
+        "version",
+        "step",
+        "format",
+        "world_size",
+        "dims",
+        "config",
+        "model",
+        "global_batch",
+        "data",
+    )
     missing = [k for k in need if not isinstance(meta, dict) or k not in meta]
     if missing:
         raise ValueError(f"checkpoint metadata {file} is corrupt: missing {', '.join(missing)}")
     if meta["version"] != FORMAT_VERSION:
-        raise ValueError(f"checkpoint {step_dir} has format version {meta['version']}, this "
-                         f"nbpar reads version {FORMAT_VERSION}")
+        raise ValueError(
+            f"checkpoint {step_dir} has format version {meta['version']}, this "
+            f"nbpar reads version {FORMAT_VERSION}"
+        )
     return meta
 
 
@@ -166,10 +183,17 @@ def _model_mismatch(where: str, meta: dict, cfg) -> str:
     else:
         og, ng = old.get("gpt") or {}, new["gpt"]
         keys = [k for k in GPT_FIELDS if og.get(k) != ng[k]] if new["model"] == "tiny_gpt" else []
-        diff = (f"model {new['model']} " + " ".join(f"{k}={og.get(k)}" for k in keys)
-                + ", this config builds " + " ".join(f"{k}={ng[k]}" for k in keys)) if keys \
-            else f"a model with fingerprint {meta['model'].get('fingerprint')}, this config " \
-                 f"builds a different one"
+        diff = (
+            (
+                f"model {new['model']} "
+                + " ".join(f"{k}={og.get(k)}" for k in keys)
+                + ", this config builds "
+                + " ".join(f"{k}={ng[k]}" for k in keys)
+            )
+            if keys
+            else f"a model with fingerprint {meta['model'].get('fingerprint')}, this config "
+            f"builds a different one"
+        )
     return f"checkpoint at {where} was written by {diff}"
 
 
@@ -188,30 +212,42 @@ def check_resume(cfg, world_size: int | None = None) -> dict:
         raise ValueError(_model_mismatch(step_dir, meta, cfg))
     fmt = checkpoint_format(cfg)
     if meta["format"] != fmt:
-        raise ValueError(f"checkpoint at {step_dir} was written in {meta['format']} format "
-                         f"(backend {meta['config'].get('backend')}); backend {cfg.backend!r} "
-                         f"reads {fmt} checkpoints")
+        raise ValueError(
+            f"checkpoint at {step_dir} was written in {meta['format']} format "
+            f"(backend {meta['config'].get('backend')}); backend {cfg.backend!r} "
+            f"reads {fmt} checkpoints"
+        )
     if meta["step"] >= cfg.steps:
-        raise ValueError(f"checkpoint at {step_dir} is at step {meta['step']}, so steps="
-                         f"{cfg.steps} leaves nothing to train; set steps > {meta['step']}")
+        raise ValueError(
+            f"checkpoint at {step_dir} is at step {meta['step']}, so steps="
+            f"{cfg.steps} leaves nothing to train; set steps > {meta['step']}"
+        )
     if world_size is None:
         return meta
     dims = cfg.dims(world_size)
     gb = cfg.global_batch(world_size)
     if meta["global_batch"] != gb:
-        raise ValueError(f"checkpoint at {step_dir} was trained with global batch "
-                         f"{meta['global_batch']}, this config has {gb} (micro_batch x "
-                         f"grad_accum x dp = {cfg.micro_batch} x {cfg.grad_accum} x {dims.dp}); "
-                         f"keep the global batch to continue the same run")
+        raise ValueError(
+            f"checkpoint at {step_dir} was trained with global batch "
+            f"{meta['global_batch']}, this config has {gb} (micro_batch x "
+            f"grad_accum x dp = {cfg.micro_batch} x {cfg.grad_accum} x {dims.dp}); "
+            f"keep the global batch to continue the same run"
+        )
     per_round = cfg.micro_batch * dims.dp
     if meta["data"]["samples_in_epoch"] % per_round:
-        raise ValueError(f"checkpoint at {step_dir} stopped {meta['data']['samples_in_epoch']} "
-                         f"samples into an epoch, not a multiple of micro_batch x dp = "
-                         f"{per_round}; resume with the checkpoint's micro_batch x dp "
-                         f"({meta['config'].get('micro_batch')} x {meta['dims'].get('dp')})")
-    if fmt == "deepspeed" and (meta["world_size"] != world_size
-                               or meta["dims"] != {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp}):
-        raise ValueError(f"checkpoint at {step_dir} was written by DeepSpeed on "
-                         f"{meta['world_size']} ranks {meta['dims']}; DeepSpeed checkpoints "
-                         f"resume on the same layout only, this run has {world_size} ranks")
+        raise ValueError(
+            f"checkpoint at {step_dir} stopped {meta['data']['samples_in_epoch']} "
+            f"samples into an epoch, not a multiple of micro_batch x dp = "
+            f"{per_round}; resume with the checkpoint's micro_batch x dp "
+            f"({meta['config'].get('micro_batch')} x {meta['dims'].get('dp')})"
+        )
+    if fmt == "deepspeed" and (
+        meta["world_size"] != world_size
+        or meta["dims"] != {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp}
+    ):
+        raise ValueError(
+            f"checkpoint at {step_dir} was written by DeepSpeed on "
+            f"{meta['world_size']} ranks {meta['dims']}; DeepSpeed checkpoints "
+            f"resume on the same layout only, this run has {world_size} ranks"
+        )
     return meta

@@ -22,6 +22,7 @@ these seconds as shares of a normal (unmetered) step.
 A dispatch mode sends every op of the step through Python, so a run meters one sampled
 step (the loop's choice), not all of them.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -202,8 +203,7 @@ class CommMeter(TorchDispatchMode):
                 self._done(interval)
             return out
         args_ = list(args) + list(kwargs.values())
-        moved = (moved_bytes if func.namespace == "c10d" else functional_moved_bytes)(
-            name, args_)
+        moved = (moved_bytes if func.namespace == "c10d" else functional_moved_bytes)(name, args_)
         if moved is None:
             return func(*args, **kwargs)
         kind, nbytes = moved
@@ -231,8 +231,9 @@ class CommMeter(TorchDispatchMode):
             self._polled.append((work, interval))
             if self._poller is not None:
                 return
-            self._poller = threading.Thread(target=self._poll_loop, daemon=True,
-                                            name="nbpar-comm-poll")
+            self._poller = threading.Thread(
+                target=self._poll_loop, daemon=True, name="nbpar-comm-poll"
+            )
         self._poller.start()
 
     def _poll_loop(self) -> None:
@@ -259,8 +260,9 @@ class CommMeter(TorchDispatchMode):
         """In-flight intervals; an op not done when the meter closed ends there."""
         end = self._closed_at if self._closed_at is not None else self.clock()
         with self._lock:
-            return [(a, max(a, min(b, end)) if b is not None else max(a, end))
-                    for a, b in self._flight]
+            return [
+                (a, max(a, min(b, end)) if b is not None else max(a, end)) for a, b in self._flight
+            ]
 
     def comm_s(self) -> float:
         """Seconds with at least one op of this rank in flight."""

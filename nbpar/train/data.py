@@ -11,6 +11,7 @@
 of the dp ranks' micro-batches is one contiguous block of a single global
 permutation: `single` with micro_batch B*dp sees the same samples.
 """
+
 from __future__ import annotations
 
 import functools
@@ -41,7 +42,7 @@ class CIFAR10(Dataset):
         x = torch.from_numpy(np.concatenate(images)).view(-1, 3, 32, 32).float() / 255.0
         mean = torch.tensor(CIFAR_MEAN).view(1, 3, 1, 1)
         std = torch.tensor(CIFAR_STD).view(1, 3, 1, 1)
-        self.images = (x - mean) / std          # (N, 3, 32, 32)
+        self.images = (x - mean) / std  # (N, 3, 32, 32)
         self.labels = [int(v) for v in labels]  # (N,)
 
     def __len__(self) -> int:
@@ -54,21 +55,32 @@ class CIFAR10(Dataset):
 def _read_batch(path: str):
     """One CIFAR-10 batch file -> (uint8 (N, 3072) array, list of N labels)."""
     if not os.path.exists(path):
-        raise FileNotFoundError(f"CIFAR-10 file {path} is missing; point data_dir at the "
-                                f"extracted 'cifar-10-batches-py' folder or leave it empty "
-                                f"to generate a synthetic set")
+        raise FileNotFoundError(
+            f"CIFAR-10 file {path} is missing; point data_dir at the "
+            f"extracted 'cifar-10-batches-py' folder or leave it empty "
+            f"to generate a synthetic set"
+        )
     try:
         with open(path, "rb") as f:
             d = pickle.load(f, encoding="bytes")
         data, labels = np.asarray(d[b"data"]), list(d[b"labels"])
     except Exception as e:  # truncated pickle, wrong keys, not a dict...
-        raise ValueError(f"CIFAR-10 file {path} is corrupt or not in the CIFAR-10 "
-                         f"python format ({type(e).__name__}: {e})") from None
-    if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072 \
-            or len(labels) != data.shape[0] or not all(0 <= v < 10 for v in labels):
-        raise ValueError(f"CIFAR-10 file {path} is corrupt: expected uint8 data (N, 3072) and "
-                         f"N labels in 0..9, got {data.dtype} {data.shape} and "
-                         f"{len(labels)} labels")
+        raise ValueError(
+            f"CIFAR-10 file {path} is corrupt or not in the CIFAR-10 "
+            f"python format ({type(e).__name__}: {e})"
+        ) from None
+    if (
+        data.dtype != np.uint8
+        or data.ndim != 2
+        or data.shape[1] != 3072
+        or len(labels) != data.shape[0]
+        or not all(0 <= v < 10 for v in labels)
+    ):
+        raise ValueError(
+            f"CIFAR-10 file {path} is corrupt: expected uint8 data (N, 3072) and "
+            f"N labels in 0..9, got {data.dtype} {data.shape} and "
+            f"{len(labels)} labels"
+        )
     return data, labels
 
 
@@ -82,8 +94,13 @@ def _atomic_pickle(obj, path: str) -> None:
 def _synthetic_images(n: int, rng: np.random.Generator):
     """n learnable 32x32 RGB images: class colour, class stripe direction/frequency, noise."""
     labels = rng.integers(0, 10, size=n)
-    colours = np.array([[(c * 37) % 256, (c * 91 + 60) % 256, (c * 53 + 130) % 256]
-                        for c in range(10)], dtype=np.float32) / 255.0        # (10, 3)
+    colours = (
+        np.array(
+            [[(c * 37) % 256, (c * 91 + 60) % 256, (c * 53 + 130) % 256] for c in range(10)],
+            dtype=np.float32,
+        )
+        / 255.0
+    )  # (10, 3)
     yy, xx = np.mgrid[0:32, 0:32].astype(np.float32)
     imgs = np.empty((n, 3, 32, 32), dtype=np.float32)
     for i, c in enumerate(labels):
@@ -107,21 +124,40 @@ def write_cifar10_format(root: str, n_per_batch: int = 200, seed: int = 0) -> st
     rng = np.random.default_rng(seed)
     for name in TRAIN_FILES + ("test_batch",):
         data, labels = _synthetic_images(n_per_batch, rng)
-        _atomic_pickle({b"batch_label": name.encode(), b"data": data, b"labels": labels,
-                        b"filenames": [f"{name}_{i}.png".encode() for i in range(n_per_batch)]},
-                       os.path.join(root, name))
-    names = [b"airplane", b"automobile", b"bird", b"cat", b"deer", b"dog", b"frog", b"horse",
-             b"ship", b"truck"]
-    _atomic_pickle({b"label_names": names, b"num_cases_per_batch": n_per_batch,
-                    b"num_vis": 3072}, os.path.join(root, "batches.meta"))
+        _atomic_pickle(
+            {
+                b"batch_label": name.encode(),
+                b"data": data,
+                b"labels": labels,
+                b"filenames": [f"{name}_{i}.png".encode() for i in range(n_per_batch)],
+            },
+            os.path.join(root, name),
+        )
+    names = [
+        b"airplane",
+        b"automobile",
+        b"bird",
+        b"cat",
+        b"deer",
+        b"dog",
+        b"frog",
+        b"horse",
+        b"ship",
+        b"truck",
+    ]
+    _atomic_pickle(
+        {b"label_names": names, b"num_cases_per_batch": n_per_batch, b"num_vis": 3072},
+        os.path.join(root, "batches.meta"),
+    )
     return root
 
 
 def cifar10_root(data_dir: str | None, seed: int = 0, n_per_batch: int = 200) -> str:
     """A folder holding CIFAR-10 files: ``data_dir`` (generated there if empty) or a
     cache under the system temp dir keyed by seed and size; reused when complete."""
-    root = data_dir or os.path.join(tempfile.gettempdir(),
-                                    f"nbpar-cifar10-synthetic-s{seed}-n{n_per_batch}")
+    root = data_dir or os.path.join(
+        tempfile.gettempdir(), f"nbpar-cifar10-synthetic-s{seed}-n{n_per_batch}"
+    )
     if not os.path.exists(os.path.join(root, "batches.meta")):
         write_cifar10_format(root, n_per_batch, seed)
     return root
@@ -134,7 +170,7 @@ def digits_dataset() -> TensorDataset:
     d = load_digits()
     x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0  # (N, 1, 8, 8)
     x = torch.nn.functional.interpolate(x, scale_factor=4, mode="nearest")  # (N, 1, 32, 32)
-    x = (x.expand(-1, 3, -1, -1) - 0.5) / 0.5                               # (N, 3, 32, 32)
+    x = (x.expand(-1, 3, -1, -1) - 0.5) / 0.5  # (N, 3, 32, 32)
     return TensorDataset(x.contiguous(), torch.tensor(d.target, dtype=torch.long))
 
 
@@ -210,25 +246,31 @@ def _call_dataset_factory(factory, spec) -> Dataset:
     except Exception as e:
         raise ValueError(f"dataset factory {name} raised {type(e).__name__}: {e}") from None
     if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
-        raise ValueError(f"dataset factory {name} returned {type(dataset).__name__}, not a "
-                         f"map-style Dataset (__getitem__ and __len__)")
+        raise ValueError(
+            f"dataset factory {name} returned {type(dataset).__name__}, not a "
+            f"map-style Dataset (__getitem__ and __len__)"
+        )
     return dataset
 
 
-def build_loader(cfg, dp_rank: int, dp_size: int, epoch: int = 0,
-                 dataset: Dataset | None = None) -> DataLoader:
+def build_loader(
+    cfg, dp_rank: int, dp_size: int, epoch: int = 0, dataset: Dataset | None = None
+) -> DataLoader:
     """This dp rank's loader: shuffled per epoch, micro_batch samples per batch.
 
     Call ``loader.sampler.set_epoch(e)`` before each new epoch, or every epoch
     repeats the same order (the classic DistributedSampler pitfall).
     """
     dataset = dataset if dataset is not None else build_dataset(cfg)
-    sampler = DistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=True,
-                                 seed=cfg.seed, drop_last=True)
+    sampler = DistributedSampler(
+        dataset, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=cfg.seed, drop_last=True
+    )
     sampler.set_epoch(epoch)
     if len(sampler) < cfg.micro_batch:
-        raise ValueError(f"micro_batch={cfg.micro_batch} is larger than this rank's share of "
-                         f"the data set ({len(sampler)} samples)")
+        raise ValueError(
+            f"micro_batch={cfg.micro_batch} is larger than this rank's share of "
+            f"the data set ({len(sampler)} samples)"
+        )
     return DataLoader(dataset, batch_size=cfg.micro_batch, sampler=sampler, drop_last=True)
 
 

@@ -15,6 +15,7 @@ right (other stages may return anything). train.py broadcasts it from the last
 pp stage over the pp group, then averages over the dp group, so every rank
 reports the loss of the whole global batch, equal to the single-process loss.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -92,8 +93,9 @@ def _share(seconds, step: float) -> float:
     return min(1.0, seconds / step) if step > 0 and seconds is not None else 0.0
 
 
-def run_training(cfg: TrainConfig | dict, *, publish=None, should_stop=None,
-                 on_finish=None) -> dict:
+def run_training(
+    cfg: TrainConfig | dict, *, publish=None, should_stop=None, on_finish=None
+) -> dict:
     """Train ``cfg`` on this rank and return its summary (see module docstring).
 
     ``publish(record)`` is called once per step; ``should_stop()`` is checked
@@ -109,10 +111,15 @@ def run_training(cfg: TrainConfig | dict, *, publish=None, should_stop=None,
     world, rank = (dist.get_world_size(), dist.get_rank()) if on else (1, 0)
     cfg.validate(world)
     if not on and cfg.strategy != "single":
-        raise ValueError(f"strategy {cfg.strategy!r} needs a torch.distributed process group "
-                         f"(run it on a Pool's engines); only 'single' runs without one")
-    pg_backend = dist.get_backend() if dist.is_available() and dist.is_initialized() \
+        raise ValueError(
+            f"strategy {cfg.strategy!r} needs a torch.distributed process group "
+            f"(run it on a Pool's engines); only 'single' runs without one"
+        )
+    pg_backend = (
+        dist.get_backend()
+        if dist.is_available() and dist.is_initialized()
         else device.default_backend()
+    )
     dev = device.current_device(pg_backend)
     dims = cfg.dims(world)
     mesh = cached_mesh(dims, device.device_type(pg_backend)) if on else None
@@ -123,11 +130,27 @@ def run_training(cfg: TrainConfig | dict, *, publish=None, should_stop=None,
         runner.set_update_rule(cfg, mesh.get_group("pp") if dims.pp > 1 else None)
         loader = build_loader(cfg, dims.coords(rank)["dp"], dims.dp, epoch=0)
         batches = _Batches(loader, dev)
-        start = 0 if cfg.resume_from is None else checkpoint.resume(
-            cfg, runner, batches, rank=rank, world=world, distributed=on)
+        start = (
+            0
+            if cfg.resume_from is None
+            else checkpoint.resume(cfg, runner, batches, rank=rank, world=world, distributed=on)
+        )
         runner.steps_taken = start
-        result = _loop(cfg, runner, batches, mesh, dims, rank, world, dev,
-                       pg_backend, publish, should_stop, start=start, distributed=on)
+        result = _loop(
+            cfg,
+            runner,
+            batches,
+            mesh,
+            dims,
+            rank,
+            world,
+            dev,
+            pg_backend,
+            publish,
+            should_stop,
+            start=start,
+            distributed=on,
+        )
         if on_finish is not None:
             on_finish(runner)
         return result
@@ -136,8 +159,21 @@ def run_training(cfg: TrainConfig | dict, *, publish=None, should_stop=None,
             runner.close()
 
 
-def _loop(cfg, runner, batches, mesh, dims, rank, world, dev, pg_backend, publish,
-          should_stop, start=0, distributed=False) -> dict:
+def _loop(
+    cfg,
+    runner,
+    batches,
+    mesh,
+    dims,
+    rank,
+    world,
+    dev,
+    pg_backend,
+    publish,
+    should_stop,
+    start=0,
+    distributed=False,
+) -> dict:
     timer = getattr(runner, "comm_timer", None) or CommTimer()
     global_batch = cfg.global_batch(world)
     tokens = cfg.gpt.seq_len if cfg.dataset_name() == "pysource" else None
@@ -161,16 +197,29 @@ def _loop(cfg, runner, batches, mesh, dims, rank, world, dev, pg_backend, publis
         loss, local = _global_loss(loss, mesh, dims, dev, timer)
         step_s = timer.end_step()
         comm_s = timer.comm_s()
-        record = {"step": step, "rank": rank, "loss": loss, "local_loss": local,
-                  "step_time_s": step_s,
-                  "compute_s": step_s - comm_s, "comm_s": comm_s,
-                  "samples_per_s": global_batch / step_s,
-                  "tokens_per_s": global_batch * tokens / step_s if tokens else None,
-                  **runner.memory(), **memory_snapshot(pg_backend), "time": time.time()}
+        record = {
+            "step": step,
+            "rank": rank,
+            "loss": loss,
+            "local_loss": local,
+            "step_time_s": step_s,
+            "compute_s": step_s - comm_s,
+            "comm_s": comm_s,
+            "samples_per_s": global_batch / step_s,
+            "tokens_per_s": global_batch * tokens / step_s if tokens else None,
+            **runner.memory(),
+            **memory_snapshot(pg_backend),
+            "time": time.time(),
+        }
         if step == metered:  # this step ran slower: every op went through Python
-            record.update(comm_bytes=comm.total(), comm_bytes_by_op=comm.by_op(),
-                          comm_in_flight_s=comm.comm_s(), exposed_comm_s=comm.exposed_comm_s(),
-                          comm_metered=True, **mem.figures())
+            record.update(
+                comm_bytes=comm.total(),
+                comm_bytes_by_op=comm.by_op(),
+                comm_in_flight_s=comm.comm_s(),
+                exposed_comm_s=comm.exposed_comm_s(),
+                comm_metered=True,
+                **mem.figures(),
+            )
             if "activation_peak_bytes" in record:  # a pipeline counts its own, per stage
                 record["activation_bytes"] = record["activation_peak_bytes"]
         record["peak_bytes"] = step_peak_bytes(record)
@@ -178,28 +227,39 @@ def _loop(cfg, runner, batches, mesh, dims, rank, world, dev, pg_backend, publis
         if publish is not None:
             publish(dict(record))
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            checkpoint.save(cfg, runner, step + 1, batches.position(), rank=rank, world=world,
-                            dims=dims, distributed=distributed)
+            checkpoint.save(
+                cfg,
+                runner,
+                step + 1,
+                batches.position(),
+                rank=rank,
+                world=world,
+                dims=dims,
+                distributed=distributed,
+            )
     total_step = sum(r["step_time_s"] for r in history)
     total_comm = sum(r["comm_s"] for r in history)
     last = history[-1] if history else {**runner.memory(), **memory_snapshot(pg_backend)}
     last.setdefault("peak_bytes", step_peak_bytes(last))
     metered_rec = next((r for r in history if r.get("comm_metered")), {})
     # a normal step: the median of those not metered (every op through Python is slower)
-    step_s = statistics.median([r["step_time_s"] for r in history if not r.get("comm_metered")]
-                               or [r["step_time_s"] for r in history] or [0.0])
+    step_s = statistics.median(
+        [r["step_time_s"] for r in history if not r.get("comm_metered")]
+        or [r["step_time_s"] for r in history]
+        or [0.0]
+    )
     bubble = getattr(runner, "bubble_fraction", None)
     forced = getattr(runner, "schedule_bubble_fraction", None)
     return {
         "rank": rank,
         "losses": [r["loss"] for r in history],
-        "param_bytes": last["param_bytes"], "grad_bytes": last["grad_bytes"],
+        "param_bytes": last["param_bytes"],
+        "grad_bytes": last["grad_bytes"],
         "optim_bytes": last["optim_bytes"],
         # peaks of this run only: tracked memory (device allocator on GPUs), and the
         # process's resident memory as its own figure
         "peak_bytes": max([r["peak_bytes"] for r in history], default=last["peak_bytes"]),
-        "process_peak_bytes": max([r["rss_bytes"] for r in history],
-                                  default=last["rss_bytes"]),
+        "process_peak_bytes": max([r["rss_bytes"] for r in history], default=last["rss_bytes"]),
         "activation_bytes": metered_rec.get("activation_bytes"),
         "memory_error": metered_rec.get("memory_error"),
         "step_time_s": step_s,
@@ -212,10 +272,12 @@ def _loop(cfg, runner, batches, mesh, dims, rank, world, dev, pg_backend, publis
         # passing through Python, while its collectives run at their own speed)
         "comm_s": metered_rec.get("comm_in_flight_s"),
         "exposed_comm_s": metered_rec.get("exposed_comm_s"),
-        "comm_fraction": _share(metered_rec.get("comm_in_flight_s"), step_s) if metered_rec
+        "comm_fraction": _share(metered_rec.get("comm_in_flight_s"), step_s)
+        if metered_rec
         else (min(1.0, total_comm / total_step) if total_step > 0 else 0.0),
         "exposed_comm_fraction": _share(metered_rec.get("exposed_comm_s"), step_s)
-        if metered_rec else None,
+        if metered_rec
+        else None,
         "bubble_fraction": bubble() if callable(bubble) else None,
         # the part of the bubble the schedule forces with the measured stage times
         "schedule_bubble_fraction": forced() if callable(forced) else None,

@@ -9,31 +9,59 @@ first step (``last_batch_iteration = -1``) and stepped after every optimizer
 step, so optimizer step ``k`` (0-based) runs with the value at iteration ``k-1``.
 Pure Python: the client checks a schedule without importing torch.
 """
+
 from __future__ import annotations
 
 import math
 
 # type -> {param: default}; None = required (or filled by "auto")
 SCHEDULES = {
-    "WarmupLR": {"warmup_min_lr": 0.0, "warmup_max_lr": None, "warmup_num_steps": 1000,
-                 "warmup_type": "log"},
-    "WarmupDecayLR": {"total_num_steps": None, "warmup_min_lr": 0.0, "warmup_max_lr": 0.001,
-                      "warmup_num_steps": 1000, "warmup_type": "log"},
-    "WarmupCosineLR": {"total_num_steps": None, "warmup_min_ratio": 0.0,
-                       "warmup_num_steps": 1000, "cos_min_ratio": 0.0001, "warmup_type": "log"},
-    "OneCycle": {"cycle_min_lr": None, "cycle_max_lr": None, "decay_lr_rate": 0.0,
-                 "cycle_first_step_size": 2000, "cycle_second_step_size": None,
-                 "cycle_first_stair_count": 0, "cycle_second_stair_count": None,
-                 "decay_step_size": 0, "cycle_momentum": True, "cycle_min_mom": 0.8,
-                 "cycle_max_mom": 0.9, "decay_mom_rate": 0.0},
+    "WarmupLR": {
+        "warmup_min_lr": 0.0,
+        "warmup_max_lr": None,
+        "warmup_num_steps": 1000,
+        "warmup_type": "log",
+    },
+    "WarmupDecayLR": {
+        "total_num_steps": None,
+        "warmup_min_lr": 0.0,
+        "warmup_max_lr": 0.001,
+        "warmup_num_steps": 1000,
+        "warmup_type": "log",
+    },
+    "WarmupCosineLR": {
+        "total_num_steps": None,
+        "warmup_min_ratio": 0.0,
+        "warmup_num_steps": 1000,
+        "cos_min_ratio": 0.0001,
+        "warmup_type": "log",
+    },
+    "OneCycle": {
+        "cycle_min_lr": None,
+        "cycle_max_lr": None,
+        "decay_lr_rate": 0.0,
+        "cycle_first_step_size": 2000,
+        "cycle_second_step_size": None,
+        "cycle_first_stair_count": 0,
+        "cycle_second_stair_count": None,
+        "decay_step_size": 0,
+        "cycle_momentum": True,
+        "cycle_min_mom": 0.8,
+        "cycle_max_mom": 0.9,
+        "decay_mom_rate": 0.0,
+    },
 }
 
 
 def auto_values(lr: float, steps: int) -> dict:
     """What ``"auto"`` means in a scheduler's params, as the Hugging Face Trainer fills
     them: the peak is the TrainConfig's lr, the length its steps, warm-up a tenth of them."""
-    return {"warmup_min_lr": 0.0, "warmup_max_lr": lr, "total_num_steps": steps,
-            "warmup_num_steps": max(1, steps // 10)}
+    return {
+        "warmup_min_lr": 0.0,
+        "warmup_max_lr": lr,
+        "total_num_steps": steps,
+        "warmup_num_steps": max(1, steps // 10),
+    }
 
 
 def resolve(section: dict, lr: float, steps: int) -> dict:
@@ -43,8 +71,9 @@ def resolve(section: dict, lr: float, steps: int) -> dict:
         raise ValueError(f"a scheduler must be {{'type': ..., 'params': {{...}}}}, got {section!r}")
     kind = section["type"]
     if kind not in SCHEDULES:
-        raise ValueError(f"scheduler type {kind!r} is not supported; choose one of "
-                         f"{', '.join(SCHEDULES)}")
+        raise ValueError(
+            f"scheduler type {kind!r} is not supported; choose one of {', '.join(SCHEDULES)}"
+        )
     params = dict(section.get("params") or {})
     unknown = sorted(set(params) - set(SCHEDULES[kind]))
     if unknown:
@@ -53,20 +82,25 @@ def resolve(section: dict, lr: float, steps: int) -> dict:
     for key, value in params.items():
         if value == "auto":
             if key not in auto:
-                raise ValueError(f"scheduler.params.{key}='auto' has no TrainConfig value to "
-                                 f"take; write a number")
+                raise ValueError(
+                    f"scheduler.params.{key}='auto' has no TrainConfig value to "
+                    f"take; write a number"
+                )
             params[key] = auto[key]
     for key, default in SCHEDULES[kind].items():
-        if default is None and params.get(key) is None and key not in (
-                "warmup_max_lr", "cycle_second_step_size", "cycle_second_stair_count"):
+        if (
+            default is None
+            and params.get(key) is None
+            and key not in ("warmup_max_lr", "cycle_second_step_size", "cycle_second_stair_count")
+        ):
             raise ValueError(f"scheduler {kind} needs params.{key}")
     n = params.get("warmup_num_steps", 1)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"scheduler.params.warmup_num_steps must be a positive integer, "
-                         f"got {n!r}")
+        raise ValueError(f"scheduler.params.warmup_num_steps must be a positive integer, got {n!r}")
     if params.get("warmup_type", "log") not in ("log", "linear"):
-        raise ValueError(f"scheduler.params.warmup_type must be 'log' or 'linear', "
-                         f"got {params['warmup_type']!r}")
+        raise ValueError(
+            f"scheduler.params.warmup_type must be 'log' or 'linear', got {params['warmup_type']!r}"
+        )
     return {"type": kind, "params": params}
 
 
@@ -100,9 +134,15 @@ class Schedule:
                 return lo
             gamma = self._warmup(it)
             if gamma is None:
-                gamma = 1.0 if self.kind == "WarmupLR" else max(
-                    0.0, (p["total_num_steps"] - it)
-                    / max(1.0, p["total_num_steps"] - max(2, p["warmup_num_steps"])))
+                gamma = (
+                    1.0
+                    if self.kind == "WarmupLR"
+                    else max(
+                        0.0,
+                        (p["total_num_steps"] - it)
+                        / max(1.0, p["total_num_steps"] - max(2, p["warmup_num_steps"])),
+                    )
+                )
             return lo + (hi - lo) * gamma
         if self.kind == "WarmupCosineLR":
             return self.base_lr * self._cosine_ratio(it)

@@ -16,6 +16,7 @@ A dispatch mode sends every op through Python, so a run meters one sampled step.
 If the meter cannot follow a strategy it stops counting and says why
 (``memory_error``); the training step itself is never disturbed.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -144,13 +145,16 @@ class StepMemory(TorchDispatchMode):
             for module, saved in zip(modules, self._fsdp_saved):
                 module.__dict__.update(saved)
             return
-        self._fsdp_saved = [{n: m.__dict__[n] for n in ("alloc_storage", "free_storage")
-                             if n in m.__dict__} for m in modules]
+        self._fsdp_saved = [
+            {n: m.__dict__[n] for n in ("alloc_storage", "free_storage") if n in m.__dict__}
+            for m in modules
+        ]
 
         def follow(fn):
             def resize(tensor):
                 fn(tensor)
                 self._resized(tensor)
+
             return resize
 
         for module, saved in zip(modules, self._fsdp_saved):

@@ -5,6 +5,7 @@ communication time comes from timestamps taken around collectives, either
 blocking ones (`CommTimer.span`) or asynchronous ones whose Future completes
 later (`CommTimer.watch`, used by the DDP comm hook on every gradient bucket).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -86,8 +87,13 @@ class CommTimer:
     def comm_s(self) -> float:
         with self._lock:
             intervals = list(self._intervals)
-        return union_s([(max(a, self._t0), min(b, self._t1)) for a, b in intervals
-                        if min(b, self._t1) > max(a, self._t0)])
+        return union_s(
+            [
+                (max(a, self._t0), min(b, self._t1))
+                for a, b in intervals
+                if min(b, self._t1) > max(a, self._t0)
+            ]
+        )
 
     def fraction(self) -> float:
         step = self._t1 - self._t0
@@ -108,4 +114,3 @@ class HookState:
     def __init__(self, group, timer: CommTimer):
         self.group = group
         self.timer = timer
-

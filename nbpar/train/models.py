@@ -7,6 +7,7 @@ a pipeline stage sets ``tok_emb``/``head`` to None and drops layers (GPipe,
 Huang et al. 2019), tensor parallelism shards ``wq``/``wk``/``wv``/``w1``
 column-wise and ``wo``/``w2`` row-wise (Megatron-LM, Shoeybi et al. 2019).
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,9 +30,9 @@ class SimpleCNN(nn.Module):
         self.fc = nn.Linear(32, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.conv(x))            # (b, 3, 32, 32) -> (b, 32, 32, 32)
+        x = F.relu(self.conv(x))  # (b, 3, 32, 32) -> (b, 32, 32, 32)
         x = torch.flatten(self.pool(x), 1)  # (b, 32)
-        return self.fc(x)                   # (b, classes)
+        return self.fc(x)  # (b, classes)
 
 
 class Attention(nn.Module):
@@ -49,8 +50,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         # (b, s, d) @ (d, d) -> (b, s, h, hd) -> (b, h, s, hd); h = local heads
-        q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-                   for w in (self.wq, self.wk, self.wv))
+        q, k, v = (
+            w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv)
+        )
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))  # (b, s, h*hd) @ (d, d)
@@ -104,11 +106,17 @@ class TinyGPT(nn.Module):
         from nbpar.train.plan import ModelPlan
 
         c = self.cfg
-        return ModelPlan(layers=self.layers, tp=gpt_block_plan(),
-                         tp_widths={"number of attention heads": c.n_heads,
-                                    "model width d_model": c.d_model,
-                                    "feed-forward width": c.ffn_mult * c.d_model},
-                         first=("tok_emb", "pos_emb"), last=("norm", "head"))
+        return ModelPlan(
+            layers=self.layers,
+            tp=gpt_block_plan(),
+            tp_widths={
+                "number of attention heads": c.n_heads,
+                "model width d_model": c.d_model,
+                "feed-forward width": c.ffn_mult * c.d_model,
+            },
+            first=("tok_emb", "pos_emb"),
+            last=("norm", "head"),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tok_emb is not None:
@@ -131,9 +139,12 @@ def gpt_block_plan() -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     return {
-        "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(),
-        "attn.wv": ColwiseParallel(), "attn.wo": RowwiseParallel(),
-        "ffn.w1": ColwiseParallel(), "ffn.w2": RowwiseParallel(),
+        "attn.wq": ColwiseParallel(),
+        "attn.wk": ColwiseParallel(),
+        "attn.wv": ColwiseParallel(),
+        "attn.wo": RowwiseParallel(),
+        "ffn.w1": ColwiseParallel(),
+        "ffn.w2": RowwiseParallel(),
     }
 
 
@@ -169,9 +180,11 @@ def build_model(cfg) -> nn.Module:
             model = _call_factory(cfg)
     if cfg.activation_checkpointing:
         if not hasattr(model, "checkpointing"):
-            raise ValueError(f"activation_checkpointing needs a model that runs its blocks "
-                             f"through nbpar.train.plan.run_layers (tiny_gpt, hf:*); "
-                             f"{type(model).__name__} does not")
+            raise ValueError(
+                f"activation_checkpointing needs a model that runs its blocks "
+                f"through nbpar.train.plan.run_layers (tiny_gpt, hf:*); "
+                f"{type(model).__name__} does not"
+            )
         model.checkpointing = True
     return model
 
@@ -190,8 +203,9 @@ def _call_factory(cfg) -> nn.Module:
     except Exception as e:
         raise ValueError(f"model factory {name} raised {type(e).__name__}: {e}") from None
     if not isinstance(model, nn.Module):
-        raise ValueError(f"model factory {name} returned {type(model).__name__}, "
-                         f"not a torch.nn.Module")
+        raise ValueError(
+            f"model factory {name} returned {type(model).__name__}, not a torch.nn.Module"
+        )
     return model
 
 
@@ -210,8 +224,7 @@ def loss_fn(cfg_or_model):
     model name; module-level functions or the user's own, so they pickle."""
     from nbpar.train import registry
 
-    loss, model = getattr(cfg_or_model, "loss", None), getattr(cfg_or_model, "model",
-                                                               cfg_or_model)
+    loss, model = getattr(cfg_or_model, "loss", None), getattr(cfg_or_model, "model", cfg_or_model)
     kind = registry.kind(model)
     if loss is None and kind == "registered":
         loss = registry.registered()[model].loss
@@ -221,5 +234,7 @@ def loss_fn(cfg_or_model):
         return classification_loss
     if model == "tiny_gpt" or kind == "hf":
         return next_token_loss
-    raise ValueError(f"model={registry.display_name(model)} needs loss= (a function "
-                     f"loss(output, target) or its 'package.module:function')")
+    raise ValueError(
+        f"model={registry.display_name(model)} needs loss= (a function "
+        f"loss(output, target) or its 'package.module:function')"
+    )

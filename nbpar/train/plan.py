@@ -11,6 +11,7 @@ A model that defines ``parallel_plan() -> ModelPlan`` tells the strategies
 Data parallelism needs no plan. Without one, tensor and pipeline parallelism are
 refused with `require`'s message naming what is missing.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -49,11 +50,15 @@ def require(model: nn.Module, what: str) -> ModelPlan:
     plan = plan_of(model)
     name = type(model).__name__
     if plan is None:
-        raise ValueError(f"{what} parallelism needs a model that declares its blocks: "
-                         f"{name} has no parallel_plan() method (see nbpar.train.plan.ModelPlan)")
+        raise ValueError(
+            f"{what} parallelism needs a model that declares its blocks: "
+            f"{name} has no parallel_plan() method (see nbpar.train.plan.ModelPlan)"
+        )
     if what == "tensor" and (plan.tp is None or plan.no_tp):
-        raise ValueError(f"tensor parallelism needs a tensor-parallel plan: {name} "
-                         f"{plan.no_tp or 'declares none (ModelPlan.tp)'}")
+        raise ValueError(
+            f"tensor parallelism needs a tensor-parallel plan: {name} "
+            f"{plan.no_tp or 'declares none (ModelPlan.tp)'}"
+        )
     if what == "pipeline" and plan.no_pipeline:
         raise ValueError(f"pipeline parallelism cannot cut {name}: {plan.no_pipeline}")
     return plan
@@ -65,8 +70,10 @@ def check_tp_degree(model: nn.Module, tp: int) -> None:
         raise ValueError(f"tensor-parallel degree must be a positive integer, got {tp!r}")
     for what, width in require(model, "tensor").tp_widths.items():
         if width % tp:
-            raise ValueError(f"tensor-parallel degree {tp} must divide the {what} ({width}); "
-                             f"use a tp that divides {width}")
+            raise ValueError(
+                f"tensor-parallel degree {tp} must divide the {what} ({width}); "
+                f"use a tp that divides {width}"
+            )
 
 
 def tp_replicated_parameters(model: nn.Module) -> int:

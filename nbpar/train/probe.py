@@ -5,6 +5,7 @@ the first micro-batch forward and through the loss, checks that the model declar
 what tensor/pipeline parallelism need, and that the estimated memory fits this
 machine. Each failure is one line (ValueError) naming what to change.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,8 +18,11 @@ from nbpar.train.registry import display_name
 
 
 def _shape(t) -> str:
-    return f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" \
-        if isinstance(t, torch.Tensor) else type(t).__name__
+    return (
+        f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+        if isinstance(t, torch.Tensor)
+        else type(t).__name__
+    )
 
 
 def first_batch(cfg, model, dataset) -> None:
@@ -28,17 +32,21 @@ def first_batch(cfg, model, dataset) -> None:
         raise ValueError(f"dataset {data} is empty")
     item = dataset[0]
     if not isinstance(item, (tuple, list)) or len(item) != 2:
-        raise ValueError(f"dataset {data} must yield (input, target) pairs; its first item "
-                         f"is {type(item).__name__}"
-                         f"{f' of length {len(item)}' if hasattr(item, '__len__') else ''}")
+        raise ValueError(
+            f"dataset {data} must yield (input, target) pairs; its first item "
+            f"is {type(item).__name__}"
+            f"{f' of length {len(item)}' if hasattr(item, '__len__') else ''}"
+        )
     x, y = next(iter(DataLoader(dataset, batch_size=min(cfg.micro_batch, len(dataset)))))
     with torch.no_grad():
         try:
             out = model(x)
         except Exception as e:
-            raise ValueError(f"the first batch of dataset {data} (input {_shape(x)}) does not "
-                             f"fit model {name}: {type(e).__name__}: "
-                             f"{str(e).splitlines()[0] if str(e) else ''}") from None
+            raise ValueError(
+                f"the first batch of dataset {data} (input {_shape(x)}) does not "
+                f"fit model {name}: {type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}"
+            ) from None
         try:
             loss = loss_fn(cfg)(out, y)
         except ValueError as e:
@@ -48,10 +56,15 @@ def first_batch(cfg, model, dataset) -> None:
         except Exception as e:
             loss = e
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
-        why = f"{type(loss).__name__}: {loss}" if isinstance(loss, Exception) \
+        why = (
+            f"{type(loss).__name__}: {loss}"
+            if isinstance(loss, Exception)
             else f"returned {_shape(loss)}, not a scalar"
-        raise ValueError(f"the loss of model {name} on dataset {data} (output {_shape(out)}, "
-                         f"target {_shape(y)}) failed: {why}")
+        )
+        raise ValueError(
+            f"the loss of model {name} on dataset {data} (output {_shape(out)}, "
+            f"target {_shape(y)}) failed: {why}"
+        )
 
 
 def check_plan(cfg, model, world: int) -> None:
@@ -62,8 +75,10 @@ def check_plan(cfg, model, world: int) -> None:
     if dims.pp > 1:
         layers = len(require(model, "pipeline").layers)
         if dims.pp > layers:
-            raise ValueError(f"pp={dims.pp} pipeline stages need at least {dims.pp} blocks; "
-                             f"{display_name(cfg.model)} has {layers}")
+            raise ValueError(
+                f"pp={dims.pp} pipeline stages need at least {dims.pp} blocks; "
+                f"{display_name(cfg.model)} has {layers}"
+            )
 
 
 def check_fits(cfg, n_params: int, world: int, machine_bytes: int | None = None) -> None:
@@ -74,17 +89,27 @@ def check_fits(cfg, n_params: int, world: int, machine_bytes: int | None = None)
     from nbpar.estimate import estimate_memory, format_bytes
 
     dims = cfg.dims(world)
-    est = estimate_memory(n_params, world, cfg.strategy, dp=dims.dp, tp=dims.tp, pp=dims.pp,
-                          optimizer=cfg.optimizer,
-                          precision="fp32" if cfg.precision == "fp32" else "mixed",
-                          offload=cfg.offload, backend=cfg.backend)
+    est = estimate_memory(
+        n_params,
+        world,
+        cfg.strategy,
+        dp=dims.dp,
+        tp=dims.tp,
+        pp=dims.pp,
+        optimizer=cfg.optimizer,
+        precision="fp32" if cfg.precision == "fp32" else "mixed",
+        offload=cfg.offload,
+        backend=cfg.backend,
+    )
     need = est.per_rank_bytes["total"] * world + est.per_rank_bytes.get("host", 0) * world
     have = machine_bytes if machine_bytes is not None else psutil.virtual_memory().total
     if need > have:
-        raise ValueError(f"model {display_name(cfg.model)} ({n_params / 1e6:.1f}M parameters) "
-                         f"needs about {format_bytes(need)} for parameters, gradients and "
-                         f"optimizer state over {world} rank(s) with {cfg.strategy}, more than "
-                         f"this machine's {format_bytes(have)}")
+        raise ValueError(
+            f"model {display_name(cfg.model)} ({n_params / 1e6:.1f}M parameters) "
+            f"needs about {format_bytes(need)} for parameters, gradients and "
+            f"optimizer state over {world} rank(s) with {cfg.strategy}, more than "
+            f"this machine's {format_bytes(have)}"
+        )
 
 
 def check_model(cfg, world: int) -> None:

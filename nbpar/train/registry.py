@@ -6,6 +6,7 @@ family (``"hf:gpt2"``, ``"hf:llama"``, see `nbpar.train.hf`), a name given to
 Factories return an ``nn.Module``; ``dataset=`` factories a map-style ``Dataset`` of
 ``(input, target)``; ``loss=`` is the loss function itself, ``loss(output, target)``.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -35,8 +36,9 @@ def import_object(spec: str, what: str):
     try:
         obj = importlib.import_module(module)
     except Exception as e:  # ImportError, or the module raising while it loads
-        raise ValueError(f"{what}={spec!r}: cannot import {module!r} "
-                         f"({type(e).__name__}: {e})") from None
+        raise ValueError(
+            f"{what}={spec!r}: cannot import {module!r} ({type(e).__name__}: {e})"
+        ) from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ValueError(f"{what}={spec!r}: module {module!r} has no {attr!r}")
@@ -94,8 +96,11 @@ class ByValue:
 
 def portable(value):
     """``value`` as it can travel to an engine: callables of ``__main__`` by value."""
-    if callable(value) and not isinstance(value, (str, ByValue)) and \
-            getattr(value, "__module__", None) == "__main__":
+    if (
+        callable(value)
+        and not isinstance(value, (str, ByValue))
+        and getattr(value, "__module__", None) == "__main__"
+    ):
         return ByValue(value)
     return value
 
@@ -107,8 +112,14 @@ def portable_fields(cfg_dict: dict) -> dict:
 
 def json_fields(cfg_dict: dict) -> dict:
     """A config dict that ``json.dumps`` writes: callables as their "module:name"."""
-    return {**cfg_dict, **{k: display_name(cfg_dict[k]) for k in ("model", "dataset", "loss")
-                           if cfg_dict[k] is not None and not isinstance(cfg_dict[k], str)}}
+    return {
+        **cfg_dict,
+        **{
+            k: display_name(cfg_dict[k])
+            for k in ("model", "dataset", "loss")
+            if cfg_dict[k] is not None and not isinstance(cfg_dict[k], str)
+        },
+    }
 
 
 def entry(model) -> dict[str, Registered]:
@@ -132,7 +143,7 @@ def model_names() -> list[str]:
 
 
 def kind(model) -> str:
-    """"builtin", "hf", "registered" or "factory" (a callable or an import string)."""
+    """ "builtin", "hf", "registered" or "factory" (a callable or an import string)."""
     if isinstance(model, str):
         if model in BUILTIN:
             return "builtin"
@@ -142,13 +153,17 @@ def kind(model) -> str:
             return "registered"
         if ":" in model:
             return "factory"
-        raise ValueError(f"model={model!r} is not known; choose one of "
-                         f"{', '.join(model_names())}, a 'package.module:function' string or "
-                         f"a callable returning an nn.Module")
+        raise ValueError(
+            f"model={model!r} is not known; choose one of "
+            f"{', '.join(model_names())}, a 'package.module:function' string or "
+            f"a callable returning an nn.Module"
+        )
     if callable(model):
         return "factory"
-    raise ValueError(f"model={model!r} must be a name, a 'package.module:function' string or "
-                     f"a callable returning an nn.Module")
+    raise ValueError(
+        f"model={model!r} must be a name, a 'package.module:function' string or "
+        f"a callable returning an nn.Module"
+    )
 
 
 def display_name(model) -> str:
@@ -167,11 +182,14 @@ def check_model_fields(cfg, builtin_datasets: dict) -> None:
     if cfg.model_config is not None and not isinstance(cfg.model_config, dict):
         raise ValueError(f"model_config must be a dict, got {cfg.model_config!r}")
     if cfg.model_config and k == "builtin":
-        raise ValueError(f"model_config applies to hf:* models and factories; size "
-                         f"{cfg.model!r} with gpt=GPTConfig(...)")
+        raise ValueError(
+            f"model_config applies to hf:* models and factories; size "
+            f"{cfg.model!r} with gpt=GPTConfig(...)"
+        )
     if not isinstance(cfg.activation_checkpointing, bool):
-        raise ValueError(f"activation_checkpointing must be True or False, "
-                         f"got {cfg.activation_checkpointing!r}")
+        raise ValueError(
+            f"activation_checkpointing must be True or False, got {cfg.activation_checkpointing!r}"
+        )
     if k == "hf":
         from nbpar.train.hf import family
 
@@ -181,19 +199,25 @@ def check_model_fields(cfg, builtin_datasets: dict) -> None:
     if k in ("builtin", "hf") and isinstance(ds, str) and not is_factory_string(ds):
         allowed = builtin_datasets.get(cfg.model, ("pysource",))
         if ds not in allowed:
-            raise ValueError(f"dataset={ds!r} does not fit model {cfg.model!r}; "
-                             f"choose one of {', '.join(allowed)}")
+            raise ValueError(
+                f"dataset={ds!r} does not fit model {cfg.model!r}; "
+                f"choose one of {', '.join(allowed)}"
+            )
     elif ds is not None:
         resolve_callable(ds, "dataset")
     elif k in ("factory", "registered") and (reg is None or reg.dataset is None):
-        raise ValueError(f"model={display_name(cfg.model)} needs dataset= (a function "
-                         f"returning a map-style Dataset of (input, target), or its "
-                         f"'package.module:function')")
+        raise ValueError(
+            f"model={display_name(cfg.model)} needs dataset= (a function "
+            f"returning a map-style Dataset of (input, target), or its "
+            f"'package.module:function')"
+        )
     if cfg.loss is not None:
         resolve_callable(cfg.loss, "loss")
     elif k in ("factory", "registered") and (reg is None or reg.loss is None):
-        raise ValueError(f"model={display_name(cfg.model)} needs loss= (a function "
-                         f"loss(output, target) or its 'package.module:function')")
+        raise ValueError(
+            f"model={display_name(cfg.model)} needs loss= (a function "
+            f"loss(output, target) or its 'package.module:function')"
+        )
 
 
 def known_shape(cfg) -> tuple[int | None, str | None]:
@@ -204,6 +228,7 @@ def known_shape(cfg) -> tuple[int | None, str | None]:
     if isinstance(cfg.model, str) and cfg.model.startswith("hf:"):
         from nbpar.train.hf import SHAPE_KEYS, family, shape
 
-        return shape(cfg.model, cfg.model_config)["layers"], \
-            f"model_config {SHAPE_KEYS[family(cfg.model)][0]}"
+        return shape(cfg.model, cfg.model_config)[
+            "layers"
+        ], f"model_config {SHAPE_KEYS[family(cfg.model)][0]}"
     return None, None

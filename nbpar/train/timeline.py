@@ -6,6 +6,7 @@ bubble is the idle share of the pipeline's devices over the step (GPipe,
 Huang et al. 2019): ``1 - busy / (p * makespan)``; theory says (p-1)/(m+p-1).
 Only matplotlib is imported here, lazily, so this module is cheap to import.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -89,14 +90,14 @@ def schedule_bubble(events: list[dict], p: int) -> float:
                 at[row] += 1
                 progressed = True
     if any(at[row] < len(q) for row, q in order.items()):
-        raise ValueError("the timeline's boxes cannot be replayed: a box waits for one "
-                         "that never ran")
+        raise ValueError(
+            "the timeline's boxes cannot be replayed: a box waits for one that never ran"
+        )
     makespan = max(done.values())
     return min(1.0, max(0.0, 1.0 - busy / (p * makespan))) if makespan > 0 else 0.0
 
 
-def plot_timeline(events: list[dict], ax=None, *, p: int | None = None,
-                  m: int | None = None):
+def plot_timeline(events: list[dict], ax=None, *, p: int | None = None, m: int | None = None):
     """Gantt chart of one pipeline step: a row per device, F and B boxes.
 
     ``ax``: a matplotlib Axes to draw into; without one a new
@@ -119,26 +120,33 @@ def plot_timeline(events: list[dict], ax=None, *, p: int | None = None,
         labels[y].add(e["stage"])
         color = F_COLOR if e["kind"] == "F" else B_COLOR
         width = e["end"] - e["start"]
-        ax.barh(y, width, left=e["start"], height=0.8, color=color,
-                edgecolor="black", linewidth=0.5)
-        text = str(e["microbatch"]) if len(rows) == len(stages) else \
-            f"{e['stage']}:{e['microbatch']}"
-        ax.text(e["start"] + width / 2, y, text, ha="center", va="center",
-                fontsize=7, color="white")
+        ax.barh(
+            y, width, left=e["start"], height=0.8, color=color, edgecolor="black", linewidth=0.5
+        )
+        text = (
+            str(e["microbatch"]) if len(rows) == len(stages) else f"{e['stage']}:{e['microbatch']}"
+        )
+        ax.text(
+            e["start"] + width / 2, y, text, ha="center", va="center", fontsize=7, color="white"
+        )
     ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([f"stage {','.join(map(str, sorted(labels[y])))}"
-                        for y in range(len(rows))])
+    ax.set_yticklabels([f"stage {','.join(map(str, sorted(labels[y])))}" for y in range(len(rows))])
     ax.invert_yaxis()
     ax.set_xlabel("seconds since step start")
     v = max(1, len(stages) // p)
     formula = "(p-1)/(m+p-1)" if v == 1 else f"(p-1)/({v}m+p-1)"
-    ax.set_title(f"bubble measured {bubble_fraction(events, p):.2f}, "
-                 f"theory {formula} = {theory_bubble(p, m, v):.2f}")
+    ax.set_title(
+        f"bubble measured {bubble_fraction(events, p):.2f}, "
+        f"theory {formula} = {theory_bubble(p, m, v):.2f}"
+    )
     from matplotlib.patches import Patch
 
-    ax.legend(handles=[Patch(color=F_COLOR, label="forward"),
-                       Patch(color=B_COLOR, label="backward")],
-              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    ax.legend(
+        handles=[Patch(color=F_COLOR, label="forward"), Patch(color=B_COLOR, label="backward")],
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize=8,
+    )
     return ax.figure
 
 

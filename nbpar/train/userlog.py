@@ -5,6 +5,7 @@ running cell's AsyncResult gains it in ``.data`` without a round trip); anywhere
 Python, a normal kernel) records stay in `RECORDS` and nothing else happens.
 `nbpar.view.logplot.LogPlot` draws them in the kernel, one line per rank.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -58,8 +59,7 @@ def log(step: int | None = None, **metrics) -> dict:
     elif isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"nbpar.log: step must be an integer >= 0, got {step!r}")
     _next_step = step + 1
-    record = {"rank": _rank(), "step": step,
-              **{k: _number(k, v) for k, v in metrics.items()}}
+    record = {"rank": _rank(), "step": step, **{k: _number(k, v) for k, v in metrics.items()}}
     if _on_engine():
         from ipyparallel.datapub import publish_data
 

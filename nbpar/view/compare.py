@@ -4,6 +4,7 @@
 and shows one table row and one bar per run, e.g. the ZeRO paper's memory staircase
 (Rajbhandari et al. 2020) measured on your own pool.
 """
+
 from __future__ import annotations
 
 import base64
@@ -14,12 +15,21 @@ from nbpar.view.history import run_label
 from nbpar.view.panels import bytes_axis, figure_png
 
 REQUIRED = ("config", "losses", "ranks", "step_time_s", "comm_fraction")
-COLUMNS = (("label", "run"), ("steps", "steps"), ("global_batch", "global batch"),
-           ("precision", "precision"), ("peak_bytes", "peak/rank"),
-           ("param_bytes", "params/rank"), ("grad_bytes", "grads/rank"),
-           ("optim_bytes", "optim/rank"), ("step_time_s", "step time"),
-           ("comm_fraction", "comm"), ("exposed_comm_fraction", "exposed"),
-           ("comm_bytes", "sent/step/rank"), ("final_loss", "final loss"))
+COLUMNS = (
+    ("label", "run"),
+    ("steps", "steps"),
+    ("global_batch", "global batch"),
+    ("precision", "precision"),
+    ("peak_bytes", "peak/rank"),
+    ("param_bytes", "params/rank"),
+    ("grad_bytes", "grads/rank"),
+    ("optim_bytes", "optim/rank"),
+    ("step_time_s", "step time"),
+    ("comm_fraction", "comm"),
+    ("exposed_comm_fraction", "exposed"),
+    ("comm_bytes", "sent/step/rank"),
+    ("final_loss", "final loss"),
+)
 FONT = 11  # points: the figure is shown about its own width, so this is what you read
 
 
@@ -46,8 +56,10 @@ def _result(obj) -> dict:
         raise TypeError(f"compare takes Run objects or result dicts, got {type(obj).__name__}")
     missing = [k for k in REQUIRED if k not in res]
     if missing:
-        raise ValueError(f"result dict lacks {', '.join(missing)}; expected the shape of "
-                         f"`nbpar train --json` ({', '.join(REQUIRED)})")
+        raise ValueError(
+            f"result dict lacks {', '.join(missing)}; expected the shape of "
+            f"`nbpar train --json` ({', '.join(REQUIRED)})"
+        )
     if not res["ranks"]:
         raise ValueError("result dict has an empty 'ranks' list")
     return res
@@ -68,16 +80,23 @@ def summarize(obj, label: str | None = None) -> dict:
     res = _result(obj)
     ranks = res["ranks"]
     cfg = res["config"] if isinstance(res["config"], dict) else {}
-    row = {"label": label or run_label(res), "steps": len(res["losses"]),
-           "global_batch": global_batch(res), "precision": cfg.get("precision")}
+    row = {
+        "label": label or run_label(res),
+        "steps": len(res["losses"]),
+        "global_batch": global_batch(res),
+        "precision": cfg.get("precision"),
+    }
     for key in ("peak_bytes", "param_bytes", "grad_bytes", "optim_bytes"):
         row[key] = max(r[key] for r in ranks)
     sent = [r["comm_bytes"] for r in ranks if r.get("comm_bytes") is not None]
     row["comm_bytes"] = max(sent) if sent else None
-    row.update(step_time_s=res["step_time_s"], comm_fraction=res["comm_fraction"],
-               exposed_comm_fraction=res.get("exposed_comm_fraction"),
-               bubble_fraction=res.get("bubble_fraction"),
-               final_loss=res["losses"][-1] if res["losses"] else None)
+    row.update(
+        step_time_s=res["step_time_s"],
+        comm_fraction=res["comm_fraction"],
+        exposed_comm_fraction=res.get("exposed_comm_fraction"),
+        bubble_fraction=res.get("bubble_fraction"),
+        final_loss=res["losses"][-1] if res["losses"] else None,
+    )
     return row
 
 
@@ -85,10 +104,10 @@ def differences(rows: list[dict]) -> list[str]:
     """Warnings for runs that are not like for like: other length, batch or precision."""
     out = []
     for key, what, unit, why in (
-            ("steps", "length", " steps", "final losses and averages cover different spans"),
-            ("global_batch", "global batch", " samples",
-             "losses and throughput are not like for like"),
-            ("precision", "precision", "", "memory, speed and losses differ by design")):
+        ("steps", "length", " steps", "final losses and averages cover different spans"),
+        ("global_batch", "global batch", " samples", "losses and throughput are not like for like"),
+        ("precision", "precision", "", "memory, speed and losses differ by design"),
+    ):
         values = {row[key] for row in rows}
         if len(values) > 1:
             each = ", ".join(f"{row['label']} {_fmt(key, row[key])}{unit}" for row in rows)
@@ -114,29 +133,44 @@ class Comparison:
         cells = [[title for _, title in COLUMNS]]
         cells += [[_fmt(key, row[key]) for key, _ in COLUMNS] for row in self.table]
         widths = [max(len(r[i]) for r in cells) for i in range(len(COLUMNS))]
-        lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                           for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in cells]
+        lines = [
+            "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))
+            ).rstrip()
+            for r in cells
+        ]
         return "\n".join(lines + [f"warning: {w}" for w in self.warnings])
 
     def html_table(self) -> str:
         head = "".join(f"<th>{html.escape(t)}</th>" for _, t in COLUMNS)
-        body = "".join("<tr>" + "".join(
-            f"<td style='text-align:{'left' if k == 'label' else 'right'}'>"
-            f"{html.escape(_fmt(k, row[k]))}</td>" for k, _ in COLUMNS) + "</tr>"
-            for row in self.table)
+        body = "".join(
+            "<tr>"
+            + "".join(
+                f"<td style='text-align:{'left' if k == 'label' else 'right'}'>"
+                f"{html.escape(_fmt(k, row[k]))}</td>"
+                for k, _ in COLUMNS
+            )
+            + "</tr>"
+            for row in self.table
+        )
         return f"<table><tr>{head}</tr>{body}</table>"
 
     def png(self) -> bytes:
         return figure_png(self.figure)
 
     def html_warnings(self) -> str:
-        return "".join(f"<div class='nbpar-warning' style='color:#a40;margin:2px 0'>"
-                       f"&#9888; {html.escape(w)}</div>" for w in self.warnings)
+        return "".join(
+            f"<div class='nbpar-warning' style='color:#a40;margin:2px 0'>"
+            f"&#9888; {html.escape(w)}</div>"
+            for w in self.warnings
+        )
 
     def _repr_html_(self) -> str:
         img = base64.b64encode(self.png()).decode("ascii")
-        return (f"<div class='nbpar-compare'>{self.html_warnings()}{self.html_table()}"
-                f"<img src='data:image/png;base64,{img}' style='max-width:100%'/></div>")
+        return (
+            f"<div class='nbpar-compare'>{self.html_warnings()}{self.html_table()}"
+            f"<img src='data:image/png;base64,{img}' style='max-width:100%'/></div>"
+        )
 
 
 def _figure(rows: list[dict]):
@@ -146,10 +180,12 @@ def _figure(rows: list[dict]):
     axes = fig.subplots(1, 4)
     labels = [r["label"] for r in rows]
     x = list(range(len(rows)))
-    panels = (("peak_bytes", "peak memory per rank", "tab:blue"),
-              ("step_time_s", "step time (s)", "tab:gray"),
-              ("exposed_comm_fraction", "exposed communication share", "tab:red"),
-              ("final_loss", "final loss", "tab:purple"))
+    panels = (
+        ("peak_bytes", "peak memory per rank", "tab:blue"),
+        ("step_time_s", "step time (s)", "tab:gray"),
+        ("exposed_comm_fraction", "exposed communication share", "tab:red"),
+        ("final_loss", "final loss", "tab:purple"),
+    )
     for ax, (key, title, color) in zip(axes, panels):
         ax.bar(x, [r[key] if r[key] is not None else 0.0 for r in rows], color=color)
         ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=FONT)
@@ -183,21 +219,28 @@ def describe(res: dict) -> list[str]:
     cfg = res["config"] if isinstance(res["config"], dict) else {}
     losses = res["losses"]
     batch = f"global batch {row['global_batch']}" if row["global_batch"] else "global batch ?"
-    lines = [f"{row['label']} {cfg.get('model', '')}: {row['steps']} steps, {batch}, "
-             f"{row['precision']}".replace(" :", ":")]
+    lines = [
+        f"{row['label']} {cfg.get('model', '')}: {row['steps']} steps, {batch}, "
+        f"{row['precision']}".replace(" :", ":")
+    ]
     if losses:
-        lines.append(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} "
-                     f"(all {len(losses)} values: ['losses'])")
-    timing = f"step time {_fmt('step_time_s', res['step_time_s'])}, communication " \
-             f"{_fmt('comm_fraction', res['comm_fraction'])}"
+        lines.append(
+            f"loss {losses[0]:.4f} -> {losses[-1]:.4f} (all {len(losses)} values: ['losses'])"
+        )
+    timing = (
+        f"step time {_fmt('step_time_s', res['step_time_s'])}, communication "
+        f"{_fmt('comm_fraction', res['comm_fraction'])}"
+    )
     if res.get("exposed_comm_fraction") is not None:
         timing += f" ({_fmt('exposed_comm_fraction', res['exposed_comm_fraction'])} exposed)"
     if res.get("bubble_fraction") is not None:
         timing += f", pipeline bubble {res['bubble_fraction']:.0%}"
     lines.append(timing)
     for r in res["ranks"]:
-        lines.append(f"rank {r['rank']}: peak {_fmt('peak_bytes', r.get('peak_bytes'))}, "
-                     f"params {_fmt('param_bytes', r.get('param_bytes'))}, grads "
-                     f"{_fmt('grad_bytes', r.get('grad_bytes'))}, optimizer "
-                     f"{_fmt('optim_bytes', r.get('optim_bytes'))}")
+        lines.append(
+            f"rank {r['rank']}: peak {_fmt('peak_bytes', r.get('peak_bytes'))}, "
+            f"params {_fmt('param_bytes', r.get('param_bytes'))}, grads "
+            f"{_fmt('grad_bytes', r.get('grad_bytes'))}, optimizer "
+            f"{_fmt('optim_bytes', r.get('optim_bytes'))}"
+        )
     return lines

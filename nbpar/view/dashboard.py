@@ -7,6 +7,7 @@ and the browser draws them (`nbpar.view.livechart.LiveChart`, uPlot): the kernel
 renders no image, so busy engines cannot starve the figure. ``figure``, ``png()`` and
 ``save()`` give the same state as a static matplotlib figure (for files and reports).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -53,8 +54,16 @@ MAX_WAIT_S = 1.0
 class Dashboard:
     """Live view of one `Run`; ``update()`` reads the history and sends what is new."""
 
-    def __init__(self, run, *, poll_s: float = 0.8, stop_button: bool = True, chart=None,
-                 figsize=(10, 6.5), dpi: int = 80):
+    def __init__(
+        self,
+        run,
+        *,
+        poll_s: float = 0.8,
+        stop_button: bool = True,
+        chart=None,
+        figsize=(10, 6.5),
+        dpi: int = 80,
+    ):
         """``chart``: a `LiveChart` already on the page to draw this run in (the
         StrategyPicker's, so a run's first step does not wait for a new view to load)."""
         self.run, self.poll_s, self.stop_button = run, poll_s, stop_button
@@ -66,11 +75,11 @@ class Dashboard:
         self.chart, self.feed = None, None  # the browser's panels, made with the widget
         self._reuse = chart
         self._figure = self._panels = None
-        self._seen = None               # (len(history), done) last read
+        self._seen = None  # (len(history), done) last read
         self._widget = self._handle = self._thread = None
         self._rendered_at = self._render_s = self._update_s = 0.0
         self._stop = threading.Event()
-        self._lock = threading.Lock()   # update() runs in the follow thread and in cells
+        self._lock = threading.Lock()  # update() runs in the follow thread and in cells
         self._on_finish: list = []
         self._finished = False
 
@@ -79,8 +88,9 @@ class Dashboard:
         cfg = getattr(self.run, "cfg", None)
         return getattr(cfg, "steps", None)
 
-    def progress(self, history: list[dict] | None = None, done: bool | None = None,
-                 groups=None) -> dict:
+    def progress(
+        self, history: list[dict] | None = None, done: bool | None = None, groups=None
+    ) -> dict:
         """{"steps", "total", "fraction", "s_per_step", "eta_s", "text"} of the run now."""
         history = as_history(self.run) if history is None else history
         done = self._done() if done is None else done
@@ -99,13 +109,20 @@ class Dashboard:
             text = f"starting… 0/{total} steps" if total else "starting…"
         else:
             pct = f" ({n / total:.0%})" if total else ""
-            text = f"step {of}{pct}{pace}" + (f" · ETA {format_seconds(eta)}"
-                                              if eta is not None else "")
+            text = f"step {of}{pct}{pace}" + (
+                f" · ETA {format_seconds(eta)}" if eta is not None else ""
+            )
         utils = [r["device_util_pct"] for r in history[-8:] if r.get("device_util_pct") is not None]
         if utils:  # on GPUs: NVML utilisation of the ranks' devices
             text += f" · GPU util {sum(utils) / len(utils):.0f}%"
-        return {"steps": n, "total": total, "fraction": n / total if total else None,
-                "s_per_step": rate, "eta_s": None if done else eta, "text": text}
+        return {
+            "steps": n,
+            "total": total,
+            "fraction": n / total if total else None,
+            "s_per_step": rate,
+            "eta_s": None if done else eta,
+            "text": text,
+        }
 
     def _done(self) -> bool:
         done = getattr(self.run, "done", None)
@@ -127,8 +144,14 @@ class Dashboard:
                 steps, cols, spec = self.feed.read(history)
                 status = self._status(info, done)
                 if steps or spec is not None or status != self.chart.status:
-                    self.chart.push(steps, cols, self.feed.notes() if steps else None,
-                                    spec=spec, times=self.feed.times, status=status)
+                    self.chart.push(
+                        steps,
+                        cols,
+                        self.feed.notes() if steps else None,
+                        spec=spec,
+                        times=self.feed.times,
+                        status=status,
+                    )
                 if done and not self._stop_button.disabled:
                     self._stop_button.disabled = True
             if self._handle is not None and (force or done or self._png_due()):
@@ -147,8 +170,12 @@ class Dashboard:
 
             self._figure = Figure(figsize=self.figsize, dpi=self.dpi, layout="constrained")
             (a, b), (c, d) = self._figure.subplots(2, 2)
-            self._panels = (LossPanel(a, self.ranks), MemoryPanel(b, self.ranks),
-                            SplitPanel(c, self.ranks), ThroughputPanel(d))
+            self._panels = (
+                LossPanel(a, self.ranks),
+                MemoryPanel(b, self.ranks),
+                SplitPanel(c, self.ranks),
+                ThroughputPanel(d),
+            )
         history = as_history(self.run)
         groups = by_rank(history)
         for panel in self._panels[:3]:
@@ -189,11 +216,22 @@ class Dashboard:
     # -- widget ------------------------------------------------------------------
     def _status(self, info: dict, done: bool) -> dict:
         """The progress line the page draws above the panels."""
-        style = ("danger" if self.error else "success" if done and
-                 info["fraction"] in (None, 1.0) else "warning" if done else "")
+        style = (
+            "danger"
+            if self.error
+            else "success"
+            if done and info["fraction"] in (None, 1.0)
+            else "warning"
+            if done
+            else ""
+        )
         text = self.text if self.error is None else f"{self.text} · error: {self.error}"
-        return {"text": text, "value": info["steps"],
-                "max": info["total"] or max(info["steps"], 1), "style": style}
+        return {
+            "text": text,
+            "value": info["steps"],
+            "max": info["total"] or max(info["steps"], 1),
+            "style": style,
+        }
 
     @property
     def widget(self):
@@ -210,11 +248,11 @@ class Dashboard:
                 self.chart.reset(waiting_spec())
             else:
                 self.chart = LiveChart(waiting_spec())
-            self._stop_button = w.Button(description="Stop", icon="stop",
-                                         tooltip="stop every rank after its current step")
+            self._stop_button = w.Button(
+                description="Stop", icon="stop", tooltip="stop every rank after its current step"
+            )
             self._stop_button.on_click(self._stop_clicked)
-            self._widget = w.VBox(([self._stop_button] if self.stop_button else [])
-                                  + [self.chart])
+            self._widget = w.VBox(([self._stop_button] if self.stop_button else []) + [self.chart])
             self._widget.add_class("nbpar-dashboard")
             self.update(force=True)
         return self._widget
@@ -277,8 +315,9 @@ class Dashboard:
         a machine whose cores the engines keep busy still updates it every ``poll_s``."""
         if self._thread is None or not self._thread.is_alive():
             self._stop.clear()
-            self._thread = threading.Thread(target=self._follow_quietly, args=(poll_s,),
-                                            name="nbpar-dashboard", daemon=True)
+            self._thread = threading.Thread(
+                target=self._follow_quietly, args=(poll_s,), name="nbpar-dashboard", daemon=True
+            )
             self._thread.start()
         return self
 

@@ -3,6 +3,7 @@
 Both are opt-in: nothing is written or served unless you call them. The Prometheus endpoint
 listens on loopback by default; docs/grafana_dashboard.json plots the metric names below.
 """
+
 from __future__ import annotations
 
 import os
@@ -10,11 +11,19 @@ import os
 from nbpar.view.history import as_history, by_rank, memory_parts
 
 #: TensorBoard tag -> record key.
-SCALARS = {"loss": "loss", "time/step_s": "step_time_s", "time/compute_s": "compute_s",
-           "time/comm_s": "comm_s", "throughput/samples_per_s": "samples_per_s",
-           "throughput/tokens_per_s": "tokens_per_s", "memory/param_bytes": "param_bytes",
-           "memory/grad_bytes": "grad_bytes", "memory/optim_bytes": "optim_bytes",
-           "memory/rss_bytes": "rss_bytes", "memory/peak_bytes": "peak_bytes"}
+SCALARS = {
+    "loss": "loss",
+    "time/step_s": "step_time_s",
+    "time/compute_s": "compute_s",
+    "time/comm_s": "comm_s",
+    "throughput/samples_per_s": "samples_per_s",
+    "throughput/tokens_per_s": "tokens_per_s",
+    "memory/param_bytes": "param_bytes",
+    "memory/grad_bytes": "grad_bytes",
+    "memory/optim_bytes": "optim_bytes",
+    "memory/rss_bytes": "rss_bytes",
+    "memory/peak_bytes": "peak_bytes",
+}
 
 
 def to_tensorboard(run_or_history, logdir) -> list[str]:
@@ -30,8 +39,9 @@ def to_tensorboard(run_or_history, logdir) -> list[str]:
             for rec in records:
                 for tag, key in SCALARS.items():
                     if rec.get(key) is not None:
-                        writer.add_scalar(tag, rec[key], global_step=rec["step"],
-                                          walltime=rec.get("time"))
+                        writer.add_scalar(
+                            tag, rec[key], global_step=rec["step"], walltime=rec.get("time")
+                        )
         finally:
             writer.close()
         dirs.append(path)
@@ -48,13 +58,20 @@ def to_wandb(run_or_history, *, project: str = "nbpar", **init_kwargs):
     try:
         import wandb
     except ImportError:
-        raise ImportError("to_wandb needs the wandb package: `pip install wandb`, then "
-                          "`wandb login` (or set WANDB_MODE=offline)") from None
-    configured = os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE") in (
-        "offline", "disabled") or getattr(getattr(wandb, "api", None), "api_key", None)
+        raise ImportError(
+            "to_wandb needs the wandb package: `pip install wandb`, then "
+            "`wandb login` (or set WANDB_MODE=offline)"
+        ) from None
+    configured = (
+        os.environ.get("WANDB_API_KEY")
+        or os.environ.get("WANDB_MODE") in ("offline", "disabled")
+        or getattr(getattr(wandb, "api", None), "api_key", None)
+    )
     if not configured:
-        raise RuntimeError("wandb is installed but not configured: run `wandb login`, set "
-                           "WANDB_API_KEY, or set WANDB_MODE=offline")
+        raise RuntimeError(
+            "wandb is installed but not configured: run `wandb login`, set "
+            "WANDB_API_KEY, or set WANDB_MODE=offline"
+        )
     history = as_history(run_or_history)
     config = getattr(getattr(run_or_history, "cfg", None), "to_dict", dict)()
     wb = wandb.init(project=project, config=config, **init_kwargs)
@@ -84,8 +101,9 @@ class PrometheusExporter:
         from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
-            raise ValueError(f"port must be an integer in 0..65535 (0 = any free port), "
-                             f"got {port!r}")
+            raise ValueError(
+                f"port must be an integer in 0..65535 (0 = any free port), got {port!r}"
+            )
         self.registry = CollectorRegistry()  # own registry: several exporters never clash
 
         def gauge(name, doc, labels=("rank",)):
@@ -101,11 +119,9 @@ class PrometheusExporter:
             "samples_per_s": gauge("nbpar_samples_per_second", "global samples per second"),
             "tokens_per_s": gauge("nbpar_tokens_per_second", "global tokens per second"),
         }
-        self.memory = gauge("nbpar_memory_bytes", "bytes held by this rank",
-                            ("rank", "kind"))
+        self.memory = gauge("nbpar_memory_bytes", "bytes held by this rank", ("rank", "kind"))
         try:
-            self._server, self._thread = start_http_server(port, addr=addr,
-                                                           registry=self.registry)
+            self._server, self._thread = start_http_server(port, addr=addr, registry=self.registry)
         except OSError as err:
             raise ValueError(f"cannot serve metrics on {addr}:{port}: {err}") from None
         self.addr, self.port = addr, self._server.server_port
@@ -120,13 +136,18 @@ class PrometheusExporter:
         for rank, records in by_rank(as_history(run_or_history)).items():
             rec, label = records[-1], str(rank)
             step_s = rec.get("step_time_s") or 0.0
-            values = {**rec, "comm_fraction": (rec.get("comm_s") or 0.0) / step_s
-                      if step_s > 0 else 0.0}
+            values = {
+                **rec,
+                "comm_fraction": (rec.get("comm_s") or 0.0) / step_s if step_s > 0 else 0.0,
+            }
             for key, g in self.gauges.items():
                 if values.get(key) is not None:
                     g.labels(rank=label).set(values[key])
-            parts = {**memory_parts(rec), "rss": rec.get("rss_bytes"),
-                     "peak": rec.get("peak_bytes")}
+            parts = {
+                **memory_parts(rec),
+                "rss": rec.get("rss_bytes"),
+                "peak": rec.get("peak_bytes"),
+            }
             for kind, value in parts.items():
                 if value is not None:
                     self.memory.labels(rank=label, kind=kind).set(value)

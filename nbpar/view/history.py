@@ -5,6 +5,7 @@ throughput and memory bytes (see `nbpar.train.loop`). The dashboard, the static
 plots, the comparison table and the exporters all start from these helpers,
 so they agree on what "the latest step" or "the loss of a run" means.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -25,8 +26,9 @@ def as_history(obj) -> list[dict]:
     else:
         history = obj
     if not isinstance(history, (list, tuple)) or not all(isinstance(r, dict) for r in history):
-        raise TypeError(f"expected a Run or a list of step records (dicts), got "
-                        f"{type(obj).__name__}")
+        raise TypeError(
+            f"expected a Run or a list of step records (dicts), got {type(obj).__name__}"
+        )
     for rec in history:
         if "step" not in rec or "rank" not in rec:
             raise ValueError(f"step record {rec!r} lacks 'step' or 'rank'")
@@ -53,8 +55,12 @@ def other_bytes(rec: dict) -> float:
 
 def memory_parts(rec: dict) -> dict[str, float]:
     """{"params", "grads", "optimizer", "other"} bytes of one record."""
-    return {"params": rec.get("param_bytes") or 0, "grads": rec.get("grad_bytes") or 0,
-            "optimizer": rec.get("optim_bytes") or 0, "other": other_bytes(rec)}
+    return {
+        "params": rec.get("param_bytes") or 0,
+        "grads": rec.get("grad_bytes") or 0,
+        "optimizer": rec.get("optim_bytes") or 0,
+        "other": other_bytes(rec),
+    }
 
 
 def step_split(records: list[dict], window: int = SPLIT_WINDOW) -> tuple[float, float]:
@@ -62,8 +68,10 @@ def step_split(records: list[dict], window: int = SPLIT_WINDOW) -> tuple[float, 
     recent = records[-window:]
     if not recent:
         return 0.0, 0.0
-    return (statistics.fmean(r.get("compute_s") or 0.0 for r in recent),
-            statistics.fmean(r.get("comm_s") or 0.0 for r in recent))
+    return (
+        statistics.fmean(r.get("compute_s") or 0.0 for r in recent),
+        statistics.fmean(r.get("comm_s") or 0.0 for r in recent),
+    )
 
 
 def steps_done(history: list[dict]) -> int:
@@ -86,7 +94,7 @@ def throughput(history: list[dict]) -> tuple[list[int], list[float], str]:
 
 
 def run_label(obj) -> str:
-    """"strategy/backend" of a Run, a result dict or a TrainConfig-like object."""
+    """ "strategy/backend" of a Run, a result dict or a TrainConfig-like object."""
     cfg = getattr(obj, "cfg", None)
     if cfg is None and isinstance(obj, dict):
         cfg = obj.get("config")

@@ -8,6 +8,7 @@ The loss every rank reports after averaging is one line. Model states (params +
 grads + optimizer) get their own panel, in their own scale, beside the process memory
 they live in.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -17,11 +18,25 @@ from nbpar.view.history import COMM_HEALTH, SPLIT_WINDOW
 
 WAITING = "waiting for the first step"
 #: matplotlib's tab10, so the live chart and the static figures colour ranks alike
-PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
-           "#7f7f7f", "#bcbd22", "#17becf")
-TITLES = {"loss": "loss", "step": "step time per rank", "throughput": "throughput",
-          "states": "model states per rank (params + grads + optimizer)",
-          "process": "process memory per rank"}
+PALETTE = (
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+)
+TITLES = {
+    "loss": "loss",
+    "step": "step time per rank",
+    "throughput": "throughput",
+    "states": "model states per rank (params + grads + optimizer)",
+    "process": "process memory per rank",
+}
 
 
 def rank_color(i: int) -> str:
@@ -30,14 +45,17 @@ def rank_color(i: int) -> str:
 
 def waiting_spec() -> dict:
     """Panels with titles and no series: the browser says "waiting for the first step"."""
-    return {"waiting": WAITING,
-            "panels": [{"id": k, "title": t, "unit": "", "series": []} for k, t in TITLES.items()]}
+    return {
+        "waiting": WAITING,
+        "panels": [{"id": k, "title": t, "unit": "", "series": []} for k, t in TITLES.items()],
+    }
 
 
 def memory_key(rec: dict) -> str:
     """What holds a rank's memory: the device allocator on a GPU, the process RSS on CPU."""
-    return "device_allocated_bytes" if rec.get("device_allocated_bytes") is not None \
-        else "rss_bytes"
+    return (
+        "device_allocated_bytes" if rec.get("device_allocated_bytes") is not None else "rss_bytes"
+    )
 
 
 def states_bytes(rec: dict) -> float:
@@ -68,26 +86,47 @@ def build_spec(ranks: list[int], first: list[dict]) -> dict:
     device = memory_key(first[0]) == "device_allocated_bytes"
     loss = [{"label": "loss (mean over ranks)", "color": "#222222", "width": 2.5}]
     if local:
-        loss += [_series(f"rank {r} own batch", i, width=1, light=True)
-                 for i, r in enumerate(ranks)]
+        loss += [
+            _series(f"rank {r} own batch", i, width=1, light=True) for i, r in enumerate(ranks)
+        ]
     step = [_series(f"rank {r} step", i) for i, r in enumerate(ranks)]
     step += [_series(f"rank {r} comm", i, width=1, light=True) for i, r in enumerate(ranks)]
     unit = "tokens/s" if tokens else "samples/s"
     mem = "device memory per rank (allocated)" if device else "process memory per rank (RSS)"
     panels = [
         {"id": "loss", "title": TITLES["loss"], "unit": "", "series": loss},
-        {"id": "step", "title": "step and communication time per rank", "unit": "s",
-         "series": step},
-        {"id": "throughput", "title": f"throughput ({unit})", "unit": unit,
-         "series": [{"label": "whole run", "color": "#9467bd", "width": 2}]},
-        {"id": "states", "title": TITLES["states"], "unit": "B",
-         "series": [_series(f"rank {r}", i) for i, r in enumerate(ranks)]},
-        {"id": "process", "title": mem, "unit": "B",
-         "series": [_series(f"rank {r}", i) for i, r in enumerate(ranks)]},
+        {
+            "id": "step",
+            "title": "step and communication time per rank",
+            "unit": "s",
+            "series": step,
+        },
+        {
+            "id": "throughput",
+            "title": f"throughput ({unit})",
+            "unit": unit,
+            "series": [{"label": "whole run", "color": "#9467bd", "width": 2}],
+        },
+        {
+            "id": "states",
+            "title": TITLES["states"],
+            "unit": "B",
+            "series": [_series(f"rank {r}", i) for i, r in enumerate(ranks)],
+        },
+        {
+            "id": "process",
+            "title": mem,
+            "unit": "B",
+            "series": [_series(f"rank {r}", i) for i, r in enumerate(ranks)],
+        },
     ]
-    return {"waiting": WAITING, "panels": panels, "local_loss": local,
-            "throughput_key": "tokens_per_s" if tokens else "samples_per_s",
-            "memory_key": memory_key(first[0])}
+    return {
+        "waiting": WAITING,
+        "panels": panels,
+        "local_loss": local,
+        "throughput_key": "tokens_per_s" if tokens else "samples_per_s",
+        "memory_key": memory_key(first[0]),
+    }
 
 
 class LiveFeed:
@@ -104,8 +143,12 @@ class LiveFeed:
         self.times: tuple | None = None  # (first, latest) record time read
 
     def _new_records(self, history: list[dict]) -> list[dict]:
-        out = [rec for rec in history if rec["rank"] in self._last
-               and (self._last[rec["rank"]] is None or rec["step"] > self._last[rec["rank"]])]
+        out = [
+            rec
+            for rec in history
+            if rec["rank"] in self._last
+            and (self._last[rec["rank"]] is None or rec["step"] > self._last[rec["rank"]])
+        ]
         for rec in out:
             last = self._last[rec["rank"]]
             self._last[rec["rank"]] = rec["step"] if last is None else max(last, rec["step"])
@@ -137,9 +180,13 @@ class LiveFeed:
         step = [r.get("step_time_s") for r in recs] + [r.get("comm_s") for r in recs]
         rates = [r.get(spec["throughput_key"]) for r in recs]
         rates = [v for v in rates if v is not None]
-        row = {"loss": loss, "step": step, "throughput": [min(rates) if rates else None],
-               "states": [states_bytes(r) for r in recs],
-               "process": [r.get(spec["memory_key"]) for r in recs]}
+        row = {
+            "loss": loss,
+            "step": step,
+            "throughput": [min(rates) if rates else None],
+            "states": [states_bytes(r) for r in recs],
+            "process": [r.get(spec["memory_key"]) for r in recs],
+        }
         for panel, values in row.items():
             for col, value in zip(cols[panel], values):
                 col.append(value)
@@ -149,8 +196,9 @@ class LiveFeed:
                 first = self.times[0] if self.times else rec["time"]
                 self.times = (first, max(rec["time"], self.times[1] if self.times else 0))
             self._recent[rank].append(rec)
-            self._peak[rank] = max(self._peak[rank], rec.get(spec["memory_key"]) or 0,
-                                   rec.get("peak_bytes") or 0)
+            self._peak[rank] = max(
+                self._peak[rank], rec.get(spec["memory_key"]) or 0, rec.get("peak_bytes") or 0
+            )
 
     def notes(self) -> dict[str, str]:
         """One line under each panel with the latest numbers (empty before the first step)."""
@@ -167,20 +215,23 @@ class LiveFeed:
         states = " · ".join(
             f"rank {r}: params {format_bytes(self.latest[r].get('param_bytes') or 0)}, "
             f"grads {format_bytes(self.latest[r].get('grad_bytes') or 0)}, "
-            f"optimizer {format_bytes(self.latest[r].get('optim_bytes') or 0)}" for r in ranks)
-        loss = ("dark: the loss averaged over ranks; light: each rank's loss on its own "
-                "micro-batches" if spec["local_loss"] else
-                "the loss averaged over ranks (every rank reports this same value)")
+            f"optimizer {format_bytes(self.latest[r].get('optim_bytes') or 0)}"
+            for r in ranks
+        )
+        loss = (
+            "dark: the loss averaged over ranks; light: each rank's loss on its own micro-batches"
+            if spec["local_loss"]
+            else "the loss averaged over ranks (every rank reports this same value)"
+        )
         rate = self.latest[ranks[-1]].get(spec["throughput_key"])
         return {
             "loss": loss,
             "step": f"dark: the step, light: its communication; last {SPLIT_WINDOW} steps "
-                    f"communicating: {comm}"
-                    + (f" (above {COMM_HEALTH:.0%}: worth a look)" if busy else ""),
+            f"communicating: {comm}"
+            + (f" (above {COMM_HEALTH:.0%}: worth a look)" if busy else ""),
             "throughput": "the whole run's rate, set by the slowest rank"
-                          + (f"; latest {rate:,.0f} {spec['throughput_key'][:-6]}/s"
-                             if rate else ""),
+            + (f"; latest {rate:,.0f} {spec['throughput_key'][:-6]}/s" if rate else ""),
             "states": states,
-            "process": "peak: " + " · ".join(f"rank {r} {format_bytes(self._peak[r])}"
-                                              for r in ranks),
+            "process": "peak: "
+            + " · ".join(f"rank {r} {format_bytes(self._peak[r])}" for r in ranks),
         }

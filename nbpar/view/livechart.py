@@ -11,6 +11,7 @@ everything once ("resync"). ``spec`` names the panels and their series::
      "panels": [{"id": "loss", "title": "loss", "unit": "",
                  "series": [{"label": "loss", "color": "#222", "width": 2}]}]}
 """
+
 from __future__ import annotations
 
 import math
@@ -63,9 +64,15 @@ class LiveChart(anywidget.AnyWidget):
         cols = self.cols.get(panel, [])
         return sum(any(c[i] is not None for c in cols) for i in range(len(self.x)))
 
-    def push(self, x: list[int], cols: dict[str, list[list]], notes: dict | None = None,
-             spec: dict | None = None, times: tuple | None = None,
-             status: dict | None = None) -> None:
+    def push(
+        self,
+        x: list[int],
+        cols: dict[str, list[list]],
+        notes: dict | None = None,
+        spec: dict | None = None,
+        times: tuple | None = None,
+        status: dict | None = None,
+    ) -> None:
         """Append steps ``x`` with one column of values per series of each panel
         (``cols[panel][series][i]`` belongs to ``x[i]``); a new ``spec`` replaces the
         panels (sent once, with the first data). ``times``: (first, latest) wall-clock
@@ -76,17 +83,20 @@ class LiveChart(anywidget.AnyWidget):
         with self._lock:
             if spec is not None:
                 self.spec = spec
-                self.cols = {p["id"]: [[None] * len(self.x) for _ in p["series"]]
-                             for p in spec["panels"]}
+                self.cols = {
+                    p["id"]: [[None] * len(self.x) for _ in p["series"]] for p in spec["panels"]
+                }
             chunk_cols = {}
             for panel in self.spec["panels"]:
                 incoming = cols.get(panel["id"], [])
-                mine = self.cols.setdefault(panel["id"], [[None] * len(self.x)
-                                                          for _ in panel["series"]])
+                mine = self.cols.setdefault(
+                    panel["id"], [[None] * len(self.x) for _ in panel["series"]]
+                )
                 chunk_cols[panel["id"]] = []
                 for i, col in enumerate(mine):
-                    values = [clean(v) for v in incoming[i]] if i < len(incoming) \
-                        else [None] * len(x)
+                    values = (
+                        [clean(v) for v in incoming[i]] if i < len(incoming) else [None] * len(x)
+                    )
                     col.extend(values)
                     chunk_cols[panel["id"]].append(values)
             self.x.extend(x)
@@ -94,8 +104,15 @@ class LiveChart(anywidget.AnyWidget):
             self.seq += 1
             self.times = times or self.times
             self.status = status or self.status
-            chunk = {"seq": self.seq, "x": list(x), "cols": chunk_cols, "notes": notes or {},
-                     "times": self.times, "status": self.status, "sent": time.time()}
+            chunk = {
+                "seq": self.seq,
+                "x": list(x),
+                "cols": chunk_cols,
+                "notes": notes or {},
+                "times": self.times,
+                "status": self.status,
+                "sent": time.time(),
+            }
             if spec is not None:
                 chunk["spec"] = spec
             self.chunk = chunk
@@ -112,10 +129,17 @@ class LiveChart(anywidget.AnyWidget):
         """One chunk with everything (reset), for a new or reloaded view."""
         with self._lock:
             self.seq += 1
-            self.chunk = {"seq": self.seq, "reset": True, "spec": self.spec, "x": list(self.x),
-                          "cols": {k: [list(c) for c in v] for k, v in self.cols.items()},
-                          "notes": dict(self.notes), "times": self.times,
-                          "status": self.status, "sent": time.time()}
+            self.chunk = {
+                "seq": self.seq,
+                "reset": True,
+                "spec": self.spec,
+                "x": list(self.x),
+                "cols": {k: [list(c) for c in v] for k, v in self.cols.items()},
+                "notes": dict(self.notes),
+                "times": self.times,
+                "status": self.status,
+                "sent": time.time(),
+            }
             self.sent += 1
 
     def _on_msg(self, _widget, content, _buffers) -> None:

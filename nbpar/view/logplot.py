@@ -1,5 +1,6 @@
 """The live figure of a ``%%dist`` cell's `nbpar.log` records: one subplot per metric,
 one line per rank, redrawn in place while the cell runs (kernel side)."""
+
 from __future__ import annotations
 
 import time
@@ -35,8 +36,11 @@ class LogPlot:
         for rank, ar in self.ars.items():
             data = getattr(ar, "data", None)
             if isinstance(data, dict):
-                out += [{"rank": rank, **rec} for key, rec in sorted(data.items())
-                        if key.startswith(PREFIX) and isinstance(rec, dict)]
+                out += [
+                    {"rank": rank, **rec}
+                    for key, rec in sorted(data.items())
+                    if key.startswith(PREFIX) and isinstance(rec, dict)
+                ]
         return out
 
     def _layout(self, metrics: list[str]) -> None:
@@ -57,13 +61,17 @@ class LogPlot:
         changed = len(records) != self._count
         if changed and records:
             self._count = len(records)
-            metrics = list(dict.fromkeys(k for r in records for k in r
-                                         if k not in ("rank", "step")))
+            metrics = list(
+                dict.fromkeys(k for r in records for k in r if k not in ("rank", "step"))
+            )
             if metrics != self.metrics:
                 self._layout(metrics)
             for (metric, rank), line in self.lines.items():
-                pts = sorted((r["step"], r[metric]) for r in records
-                             if r["rank"] == rank and r.get(metric) is not None)
+                pts = sorted(
+                    (r["step"], r[metric])
+                    for r in records
+                    if r["rank"] == rank and r.get(metric) is not None
+                )
                 line.set_data([p[0] for p in pts], [p[1] for p in pts])
             for ax in self.figure.axes:
                 ax.relim()

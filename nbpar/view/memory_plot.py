@@ -3,6 +3,7 @@
 Built on matplotlib.figure.Figure rather than pyplot, so it works under Agg and in notebooks
 without touching the global figure manager.
 """
+
 from __future__ import annotations
 
 _PARTS = ("params", "grads", "optim", "activations")
@@ -13,6 +14,7 @@ def plot_estimate(est, ax=None):
     """Draw `est` (a MemoryEstimate) on `ax` (or a new Figure) in GB; return the Figure."""
     if ax is None:
         from matplotlib.figure import Figure
+
         fig = Figure(figsize=(4.5, 4))
         ax = fig.add_subplot()
     nbytes = est.per_rank_bytes
@@ -28,7 +30,8 @@ def plot_estimate(est, ax=None):
         labels.append("host (each rank)")
     ax.set_xticks(range(len(labels)), labels)
     ax.set_ylabel("GB (1e9 bytes)")
-    ax.set_title(f"{est.strategy}: dp={est.dp} tp={est.tp} pp={est.pp}, {est.precision}",
-                 fontsize="medium")
+    ax.set_title(
+        f"{est.strategy}: dp={est.dp} tp={est.tp} pp={est.pp}, {est.precision}", fontsize="medium"
+    )
     ax.legend(fontsize="small")
     return ax.figure

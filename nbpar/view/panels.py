@@ -5,14 +5,19 @@ exported figure (`Dashboard.figure`, `save`) and the static plots draw with them
 live view draws in the browser instead (`nbpar.view.livechart`). ``groups`` is
 `nbpar.view.history.by_rank(history)`.
 """
+
 from __future__ import annotations
 
 from nbpar.estimate import format_bytes
 from nbpar.view.history import COMM_HEALTH, memory_parts, step_split, throughput
 from nbpar.view.live import global_loss, memory_key
 
-MEMORY_COLORS = {"params": "tab:blue", "grads": "tab:orange", "optimizer": "tab:green",
-                 "other": "0.75"}
+MEMORY_COLORS = {
+    "params": "tab:blue",
+    "grads": "tab:orange",
+    "optimizer": "tab:green",
+    "other": "0.75",
+}
 SPLIT_COLORS = {"comm": "tab:red", "compute": "tab:gray"}
 
 
@@ -44,8 +49,9 @@ class LossPanel:
     def __init__(self, ax, ranks):
         self.ax = ax
         (self.line,) = ax.plot([], [], color="0.15", lw=2, label="loss (mean over ranks)")
-        self.local = {r: ax.plot([], [], lw=1, ls="--", label=f"rank {r} own batch")[0]
-                      for r in ranks}
+        self.local = {
+            r: ax.plot([], [], lw=1, ls="--", label=f"rank {r} own batch")[0] for r in ranks
+        }
         ax.set_title("loss", fontsize="medium")
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
@@ -81,20 +87,26 @@ class MemoryPanel:
         self.process_ax = ax.inset_axes([0.58, 0.0, 0.42, 0.88])
         x = list(range(len(self.ranks)))
         ticks = [f"rank {r}" for r in self.ranks]
-        self.bars = {part: self.states_ax.bar(x, [0] * len(x), color=color, label=part)
-                     for part, color in MEMORY_COLORS.items() if part != "other"}
-        self.process = self.process_ax.bar(x, [0] * len(x), color=MEMORY_COLORS["other"],
-                                           label="process")
-        self.peaks = self.process_ax.scatter(x, [0] * len(x), marker="_", s=300, color="k",
-                                             label="peak", zorder=3)
+        self.bars = {
+            part: self.states_ax.bar(x, [0] * len(x), color=color, label=part)
+            for part, color in MEMORY_COLORS.items()
+            if part != "other"
+        }
+        self.process = self.process_ax.bar(
+            x, [0] * len(x), color=MEMORY_COLORS["other"], label="process"
+        )
+        self.peaks = self.process_ax.scatter(
+            x, [0] * len(x), marker="_", s=300, color="k", label="peak", zorder=3
+        )
         for sub, title in ((self.states_ax, "model states"), (self.process_ax, "process")):
             sub.set_xticks(x, ticks, fontsize="small")
             sub.set_title(title, fontsize="small")
             bytes_axis(sub)
             sub.tick_params(axis="y", labelsize="small")
         self.states_ax.legend(fontsize="x-small", loc="upper center", ncols=3)
-        self.texts = [self.states_ax.text(i, 0, "", ha="center", va="bottom",
-                                          fontsize="x-small") for i in x]
+        self.texts = [
+            self.states_ax.text(i, 0, "", ha="center", va="bottom", fontsize="x-small") for i in x
+        ]
 
     def set(self, groups) -> None:
         top = process_top = 0.0
@@ -133,14 +145,16 @@ class SplitPanel:
     def __init__(self, ax, ranks, window: int = 10):
         self.ax, self.ranks, self.window = ax, list(ranks), window
         x = range(len(self.ranks))
-        self.comm = ax.bar(x, [0] * len(self.ranks), color=SPLIT_COLORS["comm"],
-                           label="communication")
-        self.compute = ax.bar(x, [0] * len(self.ranks), color=SPLIT_COLORS["compute"],
-                              label="compute")
-        self.health = ax.axhline(COMM_HEALTH, ls="--", color="k", lw=1,
-                                 label=f"{COMM_HEALTH:.0%} comm")
-        self.texts = [ax.text(i, 1.01, "", ha="center", va="bottom", fontsize="small")
-                      for i in x]
+        self.comm = ax.bar(
+            x, [0] * len(self.ranks), color=SPLIT_COLORS["comm"], label="communication"
+        )
+        self.compute = ax.bar(
+            x, [0] * len(self.ranks), color=SPLIT_COLORS["compute"], label="compute"
+        )
+        self.health = ax.axhline(
+            COMM_HEALTH, ls="--", color="k", lw=1, label=f"{COMM_HEALTH:.0%} comm"
+        )
+        self.texts = [ax.text(i, 1.01, "", ha="center", va="bottom", fontsize="small") for i in x]
         ax.set_xticks(list(x), [f"rank {r}" for r in self.ranks])
         ax.set_ylim(0, 1.3)
         ax.set_ylabel("share of step time")

@@ -6,6 +6,7 @@ this module only asks them. `validate` names the first problem it meets, so `pro
 asks again with that problem's field set to a neutral value (offload none, precision
 fp32, schedule gpipe, ...) until the choice passes, and so finds the next one.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -14,23 +15,57 @@ import re
 from nbpar import config as C
 
 #: field -> the label of its control in the picker
-LABELS = {"model": "model", "strategy": "strategy", "backend": "backend",
-          "schedule": "schedule", "dp": "dp", "tp": "tp", "pp": "pp",
-          "precision": "precision", "offload": "offload", "micro_batch": "micro-batch",
-          "grad_accum": "grad accum", "steps": "steps"}
-MODEL_WORDS = {"gpt.n_heads": "the model's attention heads", "gpt.d_model": "the model's width",
-               "gpt.n_layers": "the model's layers", "gpt.vocab_size": "the model's vocabulary"}
+LABELS = {
+    "model": "model",
+    "strategy": "strategy",
+    "backend": "backend",
+    "schedule": "schedule",
+    "dp": "dp",
+    "tp": "tp",
+    "pp": "pp",
+    "precision": "precision",
+    "offload": "offload",
+    "micro_batch": "micro-batch",
+    "grad_accum": "grad accum",
+    "steps": "steps",
+}
+MODEL_WORDS = {
+    "gpt.n_heads": "the model's attention heads",
+    "gpt.d_model": "the model's width",
+    "gpt.n_layers": "the model's layers",
+    "gpt.vocab_size": "the model's vocabulary",
+}
 DEGREES = ("dp", "tp", "pp")
 #: whole numbers the picker's boxes take: field -> largest value
-COUNTS = {"micro_batch": 4096, "grad_accum": 4096, "steps": 10 ** 6}
+COUNTS = {"micro_batch": 4096, "grad_accum": 4096, "steps": 10**6}
 #: which field to set neutral first when a message names several; strategy never
-NEUTRAL_ORDER = ("offload", "precision", "schedule", "model", "micro_batch", "grad_accum",
-                 "steps", "dp", "backend")
-NEUTRAL = {"offload": "none", "precision": "fp32", "schedule": "gpipe", "model": "tiny_gpt",
-           "backend": "torch", "micro_batch": 8, "grad_accum": 1, "steps": 20}
+NEUTRAL_ORDER = (
+    "offload",
+    "precision",
+    "schedule",
+    "model",
+    "micro_batch",
+    "grad_accum",
+    "steps",
+    "dp",
+    "backend",
+)
+NEUTRAL = {
+    "offload": "none",
+    "precision": "fp32",
+    "schedule": "gpipe",
+    "model": "tiny_gpt",
+    "backend": "torch",
+    "micro_batch": 8,
+    "grad_accum": 1,
+    "steps": 20,
+}
 _FIELD_RE = re.compile(r"\b(" + "|".join(LABELS) + r")\b")
-_ASSIGN_RE = re.compile(r"\b(" + "|".join(list(MODEL_WORDS) + list(LABELS)).replace(".", r"\.")
-                        + r")=('?)([^\s',;)]+)\2")
+_ASSIGN_RE = re.compile(
+    r"\b("
+    + "|".join(list(MODEL_WORDS) + list(LABELS)).replace(".", r"\.")
+    + r")=('?)([^\s',;)]+)\2"
+)
 
 
 def in_words(message: str) -> str:
@@ -64,15 +99,22 @@ def parse_count(field: str, text: str) -> tuple[int | None, str | None]:
 
 def layouts(n: int):
     """(dp, tp, pp) with dp × tp × pp = n, combined dimensions first, pipelines first."""
-    found = [(dp, tp, n // (dp * tp)) for dp, tp in itertools.product(range(1, n + 1), repeat=2)
-             if n % (dp * tp) == 0]
+    found = [
+        (dp, tp, n // (dp * tp))
+        for dp, tp in itertools.product(range(1, n + 1), repeat=2)
+        if n % (dp * tp) == 0
+    ]
     return sorted(found, key=lambda d: (-sum(x > 1 for x in d), -d[2], -d[0]))
 
 
 def hybrid_layout(values: dict, world: int) -> dict | None:
     """A hybrid layout that `validate` accepts on ``world`` engines for this model, or None."""
-    base = {**values, **{k: NEUTRAL[k] for k in ("offload", "precision", "backend")},
-            "strategy": "hybrid", "schedule": "gpipe"}
+    base = {
+        **values,
+        **{k: NEUTRAL[k] for k in ("offload", "precision", "backend")},
+        "strategy": "hybrid",
+        "schedule": "gpipe",
+    }
     for dp, tp, pp in layouts(world):
         try:
             C.TrainConfig.from_dict({**base, "dp": dp, "tp": tp, "pp": pp}).validate(world)
@@ -86,8 +128,10 @@ def _advice(values: dict, world: int) -> str:
     layout = hybrid_layout(values, world)
     if layout is None:
         return f" (no hybrid layout of this model fits {world} engines)"
-    return (f" (on these {world} engines e.g. dp {layout['dp']} × tp {layout['tp']} × "
-            f"pp {layout['pp']})")
+    return (
+        f" (on these {world} engines e.g. dp {layout['dp']} × tp {layout['tp']} × "
+        f"pp {layout['pp']})"
+    )
 
 
 def _neutralise(values: dict, named: set, world: int) -> bool:
@@ -96,8 +140,7 @@ def _neutralise(values: dict, named: set, world: int) -> bool:
     for field in NEUTRAL_ORDER:
         if field == "dp" and named & set(DEGREES):
             hybrid = values.get("strategy") == "hybrid"
-            layout = (hybrid_layout(values, world) if hybrid else None) or \
-                dict.fromkeys(DEGREES)
+            layout = (hybrid_layout(values, world) if hybrid else None) or dict.fromkeys(DEGREES)
             if any(values.get(k) != v for k, v in layout.items()):
                 values.update(layout)
                 return True

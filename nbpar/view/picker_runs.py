@@ -1,4 +1,5 @@
 """The StrategyPicker's list of its runs: what ran, how far, with what batch, how it ended."""
+
 from __future__ import annotations
 
 import html
@@ -23,9 +24,14 @@ def run_row(run) -> dict:
             run.result()
         except Exception as err:  # the engines' error, in one line
             state = "failed: " + (str(err).strip().splitlines() or [type(err).__name__])[0]
-    return {"run": f"{run_label(run)} {display_name(cfg.model)}", "steps": f"{n}/{cfg.steps}",
-            "global batch": batch, "precision": cfg.precision, "state": state,
-            "final loss": f"{losses[-1]:.4f}" if losses and done else "-"}
+    return {
+        "run": f"{run_label(run)} {display_name(cfg.model)}",
+        "steps": f"{n}/{cfg.steps}",
+        "global batch": batch,
+        "precision": cfg.precision,
+        "state": state,
+        "final loss": f"{losses[-1]:.4f}" if losses and done else "-",
+    }
 
 
 def runs_table(runs: list) -> str:
@@ -36,8 +42,12 @@ def runs_table(runs: list) -> str:
     head = "".join(f"<th>{html.escape(k)}</th>" for k in ["", *rows[0]])
     body = "".join(
         f"<tr><td><code>picker.runs[{i}]</code></td>"
-        + "".join(f"<td>{html.escape(str(v))}</td>" for v in row.values()) + "</tr>"
-        for i, row in enumerate(rows))
-    return (f"<div class='nbpar-runs'><b>runs of this picker</b>"
-            f"<style>.nbpar-runs td, .nbpar-runs th {{padding: 1px 10px 1px 0; "
-            f"text-align: left}}</style><table><tr>{head}</tr>{body}</table></div>")
+        + "".join(f"<td>{html.escape(str(v))}</td>" for v in row.values())
+        + "</tr>"
+        for i, row in enumerate(rows)
+    )
+    return (
+        f"<div class='nbpar-runs'><b>runs of this picker</b>"
+        f"<style>.nbpar-runs td, .nbpar-runs th {{padding: 1px 10px 1px 0; "
+        f"text-align: left}}</style><table><tr>{head}</tr>{body}</table></div>"
+    )

@@ -3,13 +3,18 @@
 Each function takes a Run, its history, or the CLI's result dict, draws on ``ax`` (or a new
 `matplotlib.figure.Figure`, no pyplot state) and returns the Figure.
 """
+
 from __future__ import annotations
 
 from nbpar.view.history import as_history, by_rank, memory_parts, run_label
 from nbpar.view.panels import MEMORY_COLORS, SplitPanel, bytes_axis
 
-_ESTIMATE_PARTS = {"params": "params", "grads": "grads", "optim": "optimizer",
-                   "activations": "activations"}
+_ESTIMATE_PARTS = {
+    "params": "params",
+    "grads": "grads",
+    "optim": "optimizer",
+    "activations": "activations",
+}
 
 
 def _axes(ax, figsize=(6, 4)):
@@ -21,8 +26,11 @@ def _axes(ax, figsize=(6, 4)):
 
 
 def _is_history(obj) -> bool:
-    return isinstance(obj, list) and bool(obj) and all(isinstance(r, dict) and "step" in r
-                                                       for r in obj)
+    return (
+        isinstance(obj, list)
+        and bool(obj)
+        and all(isinstance(r, dict) and "step" in r for r in obj)
+    )
 
 
 def _items(obj) -> list:
@@ -40,8 +48,10 @@ def _loss_series(item, per_rank: bool):
     if not groups:
         return []
     chosen = groups.items() if per_rank else [list(groups.items())[-1]]
-    return [(f" rank {r}" if per_rank else "", [x["step"] for x in recs],
-             [x["loss"] for x in recs]) for r, recs in chosen]
+    return [
+        (f" rank {r}" if per_rank else "", [x["step"] for x in recs], [x["loss"] for x in recs])
+        for r, recs in chosen
+    ]
 
 
 def plot_losses(runs_or_histories, ax=None, *, per_rank: bool = False, labels=None):
@@ -71,8 +81,10 @@ def plot_loss_difference(losses, reference, labels=("run", "reference")):
     from matplotlib.figure import Figure
 
     if len(losses) != len(reference):
-        raise ValueError(f"the runs have {len(losses)} and {len(reference)} losses; "
-                         f"compare runs of the same length")
+        raise ValueError(
+            f"the runs have {len(losses)} and {len(reference)} losses; "
+            f"compare runs of the same length"
+        )
     fig = Figure(figsize=(10, 3), layout="constrained")
     left, right = fig.subplots(1, 2)
     left.plot(reference, color="tab:gray", lw=3, label=labels[1])
@@ -92,12 +104,17 @@ def _measured(obj) -> tuple[list[int], list[dict], list[float | None]]:
     """(ranks, parts per rank, peak bytes per rank) from a result dict or a history."""
     if isinstance(obj, dict) and isinstance(obj.get("ranks"), list):
         rows = obj["ranks"]
-        parts = [{"params": r["param_bytes"], "grads": r["grad_bytes"],
-                  "optimizer": r["optim_bytes"]} for r in rows]
+        parts = [
+            {"params": r["param_bytes"], "grads": r["grad_bytes"], "optimizer": r["optim_bytes"]}
+            for r in rows
+        ]
         return [r["rank"] for r in rows], parts, [r.get("peak_bytes") for r in rows]
     groups = by_rank(as_history(obj))
-    return (list(groups), [memory_parts(recs[-1]) for recs in groups.values()],
-            [max(x.get("peak_bytes") or 0 for x in recs) or None for recs in groups.values()])
+    return (
+        list(groups),
+        [memory_parts(recs[-1]) for recs in groups.values()],
+        [max(x.get("peak_bytes") or 0 for x in recs) or None for recs in groups.values()],
+    )
 
 
 def plot_memory(result_or_history, estimate=None, ax=None):
@@ -108,8 +125,13 @@ def plot_memory(result_or_history, estimate=None, ax=None):
     colors = {**MEMORY_COLORS, "activations": "tab:cyan"}
     columns = list(parts)
     if estimate is not None:
-        columns.append({_ESTIMATE_PARTS[k]: v for k, v in estimate.per_rank_bytes.items()
-                        if k in _ESTIMATE_PARTS})
+        columns.append(
+            {
+                _ESTIMATE_PARTS[k]: v
+                for k, v in estimate.per_rank_bytes.items()
+                if k in _ESTIMATE_PARTS
+            }
+        )
     names = [p for p in colors if any(p in col for col in columns)]
     bottoms = [0.0] * len(columns)
     for name in names:
@@ -120,13 +142,14 @@ def plot_memory(result_or_history, estimate=None, ax=None):
             bottoms[i] += h
     if any(p is not None for p in peaks):
         xs = [i for i, p in enumerate(peaks) if p is not None]
-        ax.scatter(xs, [peaks[i] for i in xs], marker="_", s=400, color="k", label="peak",
-                   zorder=3)
+        ax.scatter(xs, [peaks[i] for i in xs], marker="_", s=400, color="k", label="peak", zorder=3)
     ticks = [f"rank {r}" for r in ranks] + (["estimate"] if estimate is not None else [])
     ax.set_xticks(range(len(ticks)), ticks)
     bytes_axis(ax)
-    ax.set_title("memory per rank" + (f" vs estimate ({estimate.strategy})"
-                                      if estimate is not None else ""), fontsize="medium")
+    ax.set_title(
+        "memory per rank" + (f" vs estimate ({estimate.strategy})" if estimate is not None else ""),
+        fontsize="medium",
+    )
     ax.legend(fontsize="small")
     return ax.figure
 

@@ -8,6 +8,7 @@ experiment of the pitfalls notebook: a Dataset that decodes each sample slowly
 (as JPEG decoding or Python-side tokenising does), the same samples packed into
 one numpy memmap file, and samples/s through a DataLoader with given settings.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,10 +17,24 @@ import time
 import numpy as np
 
 #: (name, split, out rows, in cols) of one Block in units of (d, f) for plot_tp_split
-_TP_MATRICES = (("wq", "col", "d", "d"), ("wk", "col", "d", "d"), ("wv", "col", "d", "d"),
-                ("wo", "row", "d", "d"), ("w1", "col", "f", "d"), ("w2", "row", "d", "f"))
-_RANK_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple",
-                "tab:brown", "tab:pink", "tab:olive")
+_TP_MATRICES = (
+    ("wq", "col", "d", "d"),
+    ("wk", "col", "d", "d"),
+    ("wv", "col", "d", "d"),
+    ("wo", "row", "d", "d"),
+    ("w1", "col", "f", "d"),
+    ("w2", "row", "d", "f"),
+)
+_RANK_COLORS = (
+    "tab:blue",
+    "tab:orange",
+    "tab:green",
+    "tab:red",
+    "tab:purple",
+    "tab:brown",
+    "tab:pink",
+    "tab:olive",
+)
 
 
 def plot_tp_split(d_model: int, ffn_dim: int, tp: int, ax=None):
@@ -32,8 +47,10 @@ def plot_tp_split(d_model: int, ffn_dim: int, tp: int, ax=None):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     if tp > len(_RANK_COLORS) or d_model % tp or ffn_dim % tp:
-        raise ValueError(f"tp={tp} must divide d_model={d_model} and ffn_dim={ffn_dim} "
-                         f"and be at most {len(_RANK_COLORS)}")
+        raise ValueError(
+            f"tp={tp} must divide d_model={d_model} and ffn_dim={ffn_dim} "
+            f"and be at most {len(_RANK_COLORS)}"
+        )
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch, Rectangle
 
@@ -44,28 +61,51 @@ def plot_tp_split(d_model: int, ffn_dim: int, tp: int, ax=None):
     for name, split, rows_key, cols_key in _TP_MATRICES:
         rows, cols = size[rows_key], size[cols_key]
         for r in range(tp):
-            if split == "col":   # nn.Linear weight is (out, in): output rows are split
+            if split == "col":  # nn.Linear weight is (out, in): output rows are split
                 box = (x, rows - (r + 1) * rows / tp, cols, rows / tp)
-            else:                # row parallel: input columns are split
+            else:  # row parallel: input columns are split
                 box = (x + r * cols / tp, 0, cols / tp, rows)
-            ax.add_patch(Rectangle(box[:2], box[2], box[3], facecolor=_RANK_COLORS[r],
-                                   edgecolor="black", linewidth=0.6, alpha=0.8))
-        ax.text(x + cols / 2, rows + 0.04 * ffn_dim, f"{name}\n{split}wise\n({rows}, {cols})",
-                ha="center", va="bottom", fontsize=8)
+            ax.add_patch(
+                Rectangle(
+                    box[:2],
+                    box[2],
+                    box[3],
+                    facecolor=_RANK_COLORS[r],
+                    edgecolor="black",
+                    linewidth=0.6,
+                    alpha=0.8,
+                )
+            )
+        ax.text(
+            x + cols / 2,
+            rows + 0.04 * ffn_dim,
+            f"{name}\n{split}wise\n({rows}, {cols})",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
         x += cols + 0.15 * d_model
     ax.set_xlim(-0.05 * d_model, x)
     ax.set_ylim(0, 1.45 * ffn_dim)
     ax.set_aspect("equal")
     ax.axis("off")
-    ax.legend(handles=[Patch(color=_RANK_COLORS[r], label=f"rank {r}") for r in range(tp)],
-              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    ax.set_title(f"one transformer block split over tp={tp} ranks (weights are (out, in))",
-                 fontsize="medium")
+    ax.legend(
+        handles=[Patch(color=_RANK_COLORS[r], label=f"rank {r}") for r in range(tp)],
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize=8,
+    )
+    ax.set_title(
+        f"one transformer block split over tp={tp} ranks (weights are (out, in))", fontsize="medium"
+    )
     return ax.figure
 
 
-_STATE_COLORS = (("params_gb", "params", "tab:blue"), ("grads_gb", "grads", "tab:orange"),
-                 ("optim_gb", "optimizer", "tab:green"))
+_STATE_COLORS = (
+    ("params_gb", "params", "tab:blue"),
+    ("grads_gb", "grads", "tab:orange"),
+    ("optim_gb", "optimizer", "tab:green"),
+)
 
 
 def plot_zero_table(rows: list[dict], ax=None, title: str | None = None):
@@ -74,10 +114,10 @@ def plot_zero_table(rows: list[dict], ax=None, title: str | None = None):
     One bar per stage (baseline, P_os, P_os+g, P_os+g+p), params/grads/optimizer
     stacked, the total written above. Returns the Figure.
     """
-    if not rows or not all(isinstance(r, dict) and "name" in r and "total_gb" in r
-                           for r in rows):
-        raise ValueError("rows must be the non-empty list returned by "
-                         "nbpar.estimate.zero_table(params, dp)")
+    if not rows or not all(isinstance(r, dict) and "name" in r and "total_gb" in r for r in rows):
+        raise ValueError(
+            "rows must be the non-empty list returned by nbpar.estimate.zero_table(params, dp)"
+        )
     from matplotlib.figure import Figure
 
     if ax is None:
@@ -89,8 +129,7 @@ def plot_zero_table(rows: list[dict], ax=None, title: str | None = None):
         ax.bar(x, heights, bottom=bottom, color=color, label=label)
         bottom = [b + h for b, h in zip(bottom, heights)]
     for i, r in enumerate(rows):
-        ax.text(i, r["total_gb"], f"{r['total_gb']:.1f} GB", ha="center", va="bottom",
-                fontsize=8)
+        ax.text(i, r["total_gb"], f"{r['total_gb']:.1f} GB", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(x), [r["name"] for r in rows])
     ax.set_ylabel("GB per device")
     ax.set_ylim(0, max(r["total_gb"] for r in rows) * 1.15)
@@ -132,9 +171,9 @@ def write_packed(dataset, path: str) -> str:
     """
     if not str(path).endswith(".npy"):
         raise ValueError(f"path must end in .npy (numpy's format), got {path!r}")
-    samples = [dataset[i] for i in range(len(dataset))]          # decode once
+    samples = [dataset[i] for i in range(len(dataset))]  # decode once
     xs = np.stack([np.asarray(x, dtype=np.float32) for x, _ in samples])  # (N, *shape)
-    ys = np.asarray([int(y) for _, y in samples], dtype=np.int64)        # (N,)
+    ys = np.asarray([int(y) for _, y in samples], dtype=np.int64)  # (N,)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     np.save(path, xs)
     np.save(_labels_path(path), ys)
@@ -150,22 +189,29 @@ class PackedDataset:
 
     def __init__(self, path: str):
         if not os.path.exists(path):
-            raise FileNotFoundError(f"packed file {path} does not exist; write it with "
-                                    f"write_packed(dataset, path)")
+            raise FileNotFoundError(
+                f"packed file {path} does not exist; write it with write_packed(dataset, path)"
+            )
         self.path = path
-        self.x = np.load(path, mmap_mode="r")           # (N, *shape), not read yet
+        self.x = np.load(path, mmap_mode="r")  # (N, *shape), not read yet
         self.y = np.load(_labels_path(path))
 
     def __len__(self) -> int:
         return len(self.y)
 
     def __getitem__(self, i: int):
-        return np.array(self.x[i]), int(self.y[i])     # copy: a writable array for torch
+        return np.array(self.x[i]), int(self.y[i])  # copy: a writable array for torch
 
 
-def loader_throughput(dataset, *, batch_size: int = 32, num_workers: int = 0,
-                      persistent_workers: bool = False, prefetch_factor: int | None = None,
-                      epochs: int = 2) -> float:
+def loader_throughput(
+    dataset,
+    *,
+    batch_size: int = 32,
+    num_workers: int = 0,
+    persistent_workers: bool = False,
+    prefetch_factor: int | None = None,
+    epochs: int = 2,
+) -> float:
     """Samples per second through a DataLoader over ``epochs`` full passes.
 
     Worker start-up is part of the cost: with ``persistent_workers`` it is paid once
@@ -175,8 +221,11 @@ def loader_throughput(dataset, *, batch_size: int = 32, num_workers: int = 0,
 
     if num_workers == 0 and (persistent_workers or prefetch_factor is not None):
         raise ValueError("persistent_workers and prefetch_factor need num_workers > 0")
-    kwargs = {} if num_workers == 0 else {"persistent_workers": persistent_workers,
-                                          "prefetch_factor": prefetch_factor or 2}
+    kwargs = (
+        {}
+        if num_workers == 0
+        else {"persistent_workers": persistent_workers, "prefetch_factor": prefetch_factor or 2}
+    )
     loader = DataLoader(dataset, batch_size=batch_size, num_workers=num_workers, **kwargs)
     start, n = time.perf_counter(), 0
     for _ in range(epochs):

@@ -7,6 +7,7 @@ and hybrid, the degrees for hybrid, offload for DeepSpeed); hidden ones take the
 config's defaults. The rules are `TrainConfig.validate`'s, asked through
 `nbpar.view.picker_rules`, which lists all problems at once in the labels' words.
 """
+
 from __future__ import annotations
 
 import html
@@ -53,21 +54,33 @@ class StrategyPicker:
             value = getattr(cfg, name)
             if name in R.DEGREES:  # 0 means auto: ipywidgets shows None as no selection
                 value = value or 0
-            return w.Dropdown(options=options, value=value, description=R.LABELS[name],
-                              style=_STYLE, layout=w.Layout(width="230px"))
+            return w.Dropdown(
+                options=options,
+                value=value,
+                description=R.LABELS[name],
+                style=_STYLE,
+                layout=w.Layout(width="230px"),
+            )
 
         degrees = [("auto", 0)] + [(str(i), i) for i in range(1, pool.n + 1)]
-        self.fields = {"model": pick("model", model_options(cfg.model)),
-                       "strategy": pick("strategy", C.STRATEGIES),
-                       "backend": pick("backend", C.BACKENDS),
-                       "schedule": pick("schedule", C.SCHEDULES),
-                       **{k: pick(k, degrees) for k in R.DEGREES},
-                       "precision": pick("precision", C.PRECISIONS),
-                       "offload": pick("offload", C.OFFLOADS)}
+        self.fields = {
+            "model": pick("model", model_options(cfg.model)),
+            "strategy": pick("strategy", C.STRATEGIES),
+            "backend": pick("backend", C.BACKENDS),
+            "schedule": pick("schedule", C.SCHEDULES),
+            **{k: pick(k, degrees) for k in R.DEGREES},
+            "precision": pick("precision", C.PRECISIONS),
+            "offload": pick("offload", C.OFFLOADS),
+        }
         box = _number_box_class()
         for name in R.COUNTS:
-            self.fields[name] = box(value=str(getattr(cfg, name)), description=R.LABELS[name],
-                                    style=_STYLE, layout=layout, continuous_update=True)
+            self.fields[name] = box(
+                value=str(getattr(cfg, name)),
+                description=R.LABELS[name],
+                style=_STYLE,
+                layout=layout,
+                continuous_update=True,
+            )
         self._build_layout(w)
         for widget in self.fields.values():
             widget.observe(self._refresh, names="value")
@@ -78,9 +91,13 @@ class StrategyPicker:
         self.batch_label = w.HTML()
         self.explanation = w.HTML()
         self.button = w.Button(description="Run", button_style="primary", icon="play")
-        self.stop_button = w.Button(description="Stop", icon="stop", button_style="warning",
-                                    tooltip="stop every rank after its current step",
-                                    layout=w.Layout(display="none"))
+        self.stop_button = w.Button(
+            description="Stop",
+            icon="stop",
+            button_style="warning",
+            tooltip="stop every rank after its current step",
+            layout=w.Layout(display="none"),
+        )
         self.runs_list = w.HTML()
         self.output = w.Output()
         # the runs' chart, on the page before the first run (hidden), so a run's first
@@ -89,17 +106,29 @@ class StrategyPicker:
         from nbpar.view.livechart import LiveChart
 
         self.chart = LiveChart(waiting_spec())
-        for widget, name in ((self.batch_label, "batch"), (self.explanation, "explanation"),
-                             (self.runs_list, "runs-list"), (self.button, "run"),
-                             (self.stop_button, "stop")):
+        for widget, name in (
+            (self.batch_label, "batch"),
+            (self.explanation, "explanation"),
+            (self.runs_list, "runs-list"),
+            (self.button, "run"),
+            (self.stop_button, "stop"),
+        ):
             widget.add_class(f"nbpar-{name}")
-        columns = [w.VBox([f[k] for k in ("model", "strategy", "backend", "schedule")]),
-                   w.VBox([f[k] for k in ("dp", "tp", "pp", "precision", "offload")]),
-                   w.VBox([f[k] for k in R.COUNTS])]
-        self.widget = w.VBox([w.HBox(columns), self.batch_label,
-                              w.HBox([self.button, self.stop_button, self.explanation]),
-                              self.runs_list, self.output,
-                              w.Box([self.chart], layout=w.Layout(display="none"))])
+        columns = [
+            w.VBox([f[k] for k in ("model", "strategy", "backend", "schedule")]),
+            w.VBox([f[k] for k in ("dp", "tp", "pp", "precision", "offload")]),
+            w.VBox([f[k] for k in R.COUNTS]),
+        ]
+        self.widget = w.VBox(
+            [
+                w.HBox(columns),
+                self.batch_label,
+                w.HBox([self.button, self.stop_button, self.explanation]),
+                self.runs_list,
+                self.output,
+                w.Box([self.chart], layout=w.Layout(display="none")),
+            ]
+        )
         self.widget.add_class("nbpar-picker")
         self.button.on_click(self._launch)
         self.stop_button.on_click(self._stop)
@@ -168,8 +197,10 @@ class StrategyPicker:
             dp = cfg.dims(self.world_size(cfg.strategy)).dp
         except ValueError:
             return f"{head} = ? (see below)"
-        return (f"{head} = {cfg.micro_batch} × {cfg.grad_accum} × {dp} = "
-                f"{cfg.micro_batch * cfg.grad_accum * dp}")
+        return (
+            f"{head} = {cfg.micro_batch} × {cfg.grad_accum} × {dp} = "
+            f"{cfg.micro_batch * cfg.grad_accum * dp}"
+        )
 
     @property
     def message(self) -> str:
@@ -198,16 +229,23 @@ class StrategyPicker:
             return
         if found:
             items = "".join(f"<li>{html.escape(p)}</li>" for p in found)
-            text = f"cannot run: {found[0]}" if len(found) == 1 else \
-                "cannot run:\n" + "\n".join(f"- {p}" for p in found)
-            self._say(text, f"<div class='nbpar-problems' style='color:#b00'>cannot run:"
-                            f"<ul style='margin:0;padding-left:1.4em'>{items}</ul></div>")
+            text = (
+                f"cannot run: {found[0]}"
+                if len(found) == 1
+                else "cannot run:\n" + "\n".join(f"- {p}" for p in found)
+            )
+            self._say(
+                text,
+                f"<div class='nbpar-problems' style='color:#b00'>cannot run:"
+                f"<ul style='margin:0;padding-left:1.4em'>{items}</ul></div>",
+            )
         else:
             cfg = self.config()
             d = cfg.dims(self.world_size(cfg.strategy))
             ranks = "1 rank" if d.world_size == 1 else f"{d.world_size} ranks"
-            self._say(f"ready: {cfg.strategy}/{cfg.backend} on {ranks}, "
-                      f"dp {d.dp} × tp {d.tp} × pp {d.pp}")
+            self._say(
+                f"ready: {cfg.strategy}/{cfg.backend} on {ranks}, dp {d.dp} × tp {d.tp} × pp {d.pp}"
+            )
 
     def _set_running(self, running: bool) -> None:
         self.running = running
@@ -218,8 +256,7 @@ class StrategyPicker:
         self.stop_button.disabled = not running
         self.stop_button.description = "Stop"
         if running:
-            self._say(f"running picker.runs[{len(self.runs)}]: Stop ends it after the "
-                      f"current step")
+            self._say(f"running picker.runs[{len(self.runs)}]: Stop ends it after the current step")
 
     def _stop(self, _button=None) -> None:
         if self.run is not None and self.running:
@@ -244,13 +281,16 @@ class StrategyPicker:
             run = self.pool.train(cfg)
         except Exception as err:  # pool closed, engine died: say so next to the button
             self._set_running(False)
-            self._say(f"could not start: {err}", f"<span style='color:#b00'>could not start: "
-                                                 f"{html.escape(str(err))}</span>")
+            self._say(
+                f"could not start: {err}",
+                f"<span style='color:#b00'>could not start: {html.escape(str(err))}</span>",
+            )
             return None
         self.run = run
         self.runs.append(run)
-        self.dashboard = Dashboard(run, stop_button=False, chart=self.chart) \
-            .on_finish(self._finished)
+        self.dashboard = Dashboard(run, stop_button=False, chart=self.chart).on_finish(
+            self._finished
+        )
         self._show_runs()
         self.output.clear_output(wait=True)
         with self.output:

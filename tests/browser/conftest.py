@@ -5,6 +5,7 @@ copy of notebooks/ (outputs stripped, so what the test sees was rendered in this
 every IPython/Jupyter dir inside the test's temp dir. Teardown shuts the kernels down the
 normal way (so their atexit hooks run) and checks that no engine process is left.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,13 +27,19 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "artifacts" / "browser"
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 ENGINE_MARKERS = ("nbpar.pool.engine", "ipyparallel")
 # Lab settings for a quiet, fully rendered page: no news fetch, every cell in the DOM.
 USER_SETTINGS = {
-    "@jupyterlab/apputils-extension/notification": {"fetchNews": "false",
-                                                    "checkForUpdates": False},
+    "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
     "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"},
 }
 
@@ -48,8 +55,9 @@ class Lab:
 
     def api(self, method: str, path: str, timeout: float = 30.0):
         """Call the server's REST API; return the decoded JSON body (None when empty)."""
-        req = urllib.request.Request(f"{self.url}{path}", method=method,
-                                     headers={"Authorization": f"token {self.token}"})
+        req = urllib.request.Request(
+            f"{self.url}{path}", method=method, headers={"Authorization": f"token {self.token}"}
+        )
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             body = resp.read()
         return json.loads(body) if body else None
@@ -98,8 +106,9 @@ def _wait_ready(lab: Lab, log: pathlib.Path, timeout: float = 180.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if lab.proc.poll() is not None:
-            raise RuntimeError(f"jupyter lab exited with {lab.proc.returncode}:\n"
-                               f"{log.read_text()[-3000:]}")
+            raise RuntimeError(
+                f"jupyter lab exited with {lab.proc.returncode}:\n{log.read_text()[-3000:]}"
+            )
         try:
             lab.api("GET", "/api/status", timeout=5)
             return
@@ -143,8 +152,9 @@ def lab(tmp_path_factory):
     """JupyterLab serving a temp copy of notebooks/; shut down (and checked) at the end."""
     root = tmp_path_factory.mktemp("lab")
     notebooks = root / "notebooks"
-    shutil.copytree(REPO / "notebooks", notebooks,
-                    ignore=shutil.ignore_patterns(".ipynb_checkpoints", "src"))
+    shutil.copytree(
+        REPO / "notebooks", notebooks, ignore=shutil.ignore_patterns(".ipynb_checkpoints", "src")
+    )
     for nb in notebooks.glob("*.ipynb"):
         strip_outputs(nb)
     config = root / "jupyter" / "config"
@@ -153,23 +163,43 @@ def lab(tmp_path_factory):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(values))
     env = {k: v for k, v in os.environ.items() if k not in ("MPLBACKEND", "JUPYTER_PATH")}
-    env.update(IPYTHONDIR=str(root / "ipython"), JUPYTER_CONFIG_DIR=str(config),
-               JUPYTER_DATA_DIR=str(root / "jupyter" / "data"),
-               JUPYTER_RUNTIME_DIR=str(root / "jupyter" / "runtime"),
-               MPLCONFIGDIR=str(root / "mpl"), JUPYTER_PLATFORM_DIRS="1")
+    env.update(
+        IPYTHONDIR=str(root / "ipython"),
+        JUPYTER_CONFIG_DIR=str(config),
+        JUPYTER_DATA_DIR=str(root / "jupyter" / "data"),
+        JUPYTER_RUNTIME_DIR=str(root / "jupyter" / "runtime"),
+        MPLCONFIGDIR=str(root / "mpl"),
+        JUPYTER_PLATFORM_DIRS="1",
+    )
     port, token = free_port(), secrets.token_hex(16)
-    cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser",
-           "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
-           f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={notebooks}",
-           "--LabApp.expose_app_in_browser=True", "--LabApp.news_url=None",
-           "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-           "--KernelManager.shutdown_wait_time=60"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jupyter",
+        "lab",
+        "--no-browser",
+        "--ServerApp.ip=127.0.0.1",
+        f"--ServerApp.port={port}",
+        "--ServerApp.port_retries=0",
+        f"--IdentityProvider.token={token}",
+        f"--ServerApp.root_dir={notebooks}",
+        "--LabApp.expose_app_in_browser=True",
+        "--LabApp.news_url=None",
+        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        "--KernelManager.shutdown_wait_time=60",
+    ]
     if os.geteuid() == 0:  # containers and CI runners often test as root
         cmd.append("--allow-root")
     log = root / "server.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=notebooks, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=notebooks,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     server = Lab(f"http://127.0.0.1:{port}", token, proc, root, notebooks, root / "ipython")
     try:
         _wait_ready(server, log)
@@ -190,13 +220,19 @@ def browser(tmp_path_factory):
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
-        pytest.fail("the playwright package is missing: run "
-                    "`sh scripts/install_browser.sh .venv/bin/python`")
+        pytest.fail(
+            "the playwright package is missing: run "
+            "`sh scripts/install_browser.sh .venv/bin/python`"
+        )
     profile = tmp_path_factory.mktemp("chromium-profile")
     with sync_playwright() as pw:
         context = pw.chromium.launch_persistent_context(
-            str(profile), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
-            viewport={"width": 1400, "height": 2000})
+            str(profile),
+            executable_path=CHROMIUM,
+            headless=True,
+            args=CHROMIUM_ARGS,
+            viewport={"width": 1400, "height": 2000},
+        )
         try:
             yield context
         finally:

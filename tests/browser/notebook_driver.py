@@ -1,5 +1,6 @@
 """Driving one notebook in JupyterLab from a test: write it, open it, run single cells,
 read their outputs, and find the StrategyPicker's and the dashboard's widgets."""
+
 from __future__ import annotations
 
 import re
@@ -46,8 +47,11 @@ SAMPLER = """() => {
 
 def write_notebook(path, cells: list[str]) -> None:
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
-                                 "language": "python"}
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
     nbformat.write(nb, str(path))
 
 
@@ -69,8 +73,9 @@ def run_cell(page, i: int) -> str:
     for out in outputs:
         if out["output_type"] == "error":
             raise AssertionError(f"cell {i} failed: {out['ename']}: {out['evalue']}")
-        text.append("".join(out.get("text", "")) + "".join(
-            out.get("data", {}).get("text/plain", "")))
+        text.append(
+            "".join(out.get("text", "")) + "".join(out.get("data", {}).get("text/plain", ""))
+        )
     return "".join(text)
 
 
@@ -102,7 +107,8 @@ class Picker:
     def control(self, label: str):
         exact = re.compile(rf"^{re.escape(label)}$")
         return self.root.locator(".widget-dropdown, .widget-text").filter(
-            has=self.page.locator("label", has_text=exact))
+            has=self.page.locator("label", has_text=exact)
+        )
 
     def choose(self, label: str, value: str) -> None:
         self.control(label).locator("select").select_option(label=value)

@@ -1,6 +1,7 @@
 """Run the notebooks in JupyterLab in a real (headless) browser and check what renders:
 the pool table, the StrategyPicker widget, the training dashboard / plots, and that no
 cell fails except those tagged to raise. Screenshots go to artifacts/browser/."""
+
 from __future__ import annotations
 
 import json
@@ -65,8 +66,11 @@ IMAGES_SHOWN = """() => [...document.querySelectorAll('.jp-OutputArea-output img
 
 def write_picker_notebook(path) -> None:
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in PICKER_CELLS])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
-                                 "language": "python"}
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
     nbformat.write(nb, str(path))
 
 
@@ -90,11 +94,18 @@ def cell_errors(model: dict) -> tuple[list, list]:
         if cell["cell_type"] != "code":
             continue
         source = "".join(cell["source"])
-        meant = ("raises-exception" in cell["metadata"].get("tags", [])
-                 or "NBVAL_RAISES_EXCEPTION" in source)
+        meant = (
+            "raises-exception" in cell["metadata"].get("tags", [])
+            or "NBVAL_RAISES_EXCEPTION" in source
+        )
         errors = [o for o in cell["outputs"] if o["output_type"] == "error"]
-        errors += [o for o in cell["outputs"] if o["output_type"] == "stream"
-                   and o["name"] == "stderr" and "Traceback" in "".join(o["text"])]
+        errors += [
+            o
+            for o in cell["outputs"]
+            if o["output_type"] == "stream"
+            and o["name"] == "stderr"
+            and "Traceback" in "".join(o["text"])
+        ]
         if errors and not meant:
             unexpected.append((i, source[:80], [e.get("evalue") or e.get("text") for e in errors]))
         if meant and not errors:
@@ -131,8 +142,11 @@ def test_notebook_renders_in_jupyterlab(lab, browser, name):
         (ARTIFACTS / f"{stem}.executed.ipynb").write_text(json.dumps(model, indent=1))
 
         assert outcome.get("error") is None, f"run-all failed: {outcome}"
-        unrun = [i for i, c in enumerate(model["cells"])
-                 if c["cell_type"] == "code" and c["execution_count"] is None]
+        unrun = [
+            i
+            for i, c in enumerate(model["cells"])
+            if c["cell_type"] == "code" and c["execution_count"] is None
+        ]
         assert not unrun, f"{name}: cells never ran (aborted after an error?): {unrun}"
         unexpected, silent = cell_errors(model)
         assert not unexpected, f"{name}: cells failed: {unexpected}"

@@ -5,6 +5,7 @@ and what showing it costs is recorded side by side with the same run not shown (
 CPU the kernel, the Jupyter server and Chromium spend, as a share of the machine, and
 the engines' step time) in artifacts/browser/live_cost.json; the repeated measurement
 of that cost is benchmarks/dashboard_overhead.py."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,7 @@ from tests.browser.notebook_driver import (
 STEPS = 1500  # tiny_gpt ddp on 2 idle CPU cores: about 13 ms a step, 20 s
 CELLS = [
     "import json, statistics\nimport nbpar\npool = nbpar.Pool(2)\npool",
-    f"picker = nbpar.StrategyPicker(pool, model='tiny_gpt', strategy='ddp', steps={STEPS})\n"
-    "picker",
+    f"picker = nbpar.StrategyPicker(pool, model='tiny_gpt', strategy='ddp', steps={STEPS})\npicker",
     "def step_s(run):  # the slowest rank's median step time, set-up steps left out\n"
     "    per = run.per_rank()\n"
     "    return max(statistics.median(r['step_time_s'] for r in p['history'][10:])\n"
@@ -54,8 +54,11 @@ def _viewer_processes(lab) -> list:
     """The processes that show a run: the Jupyter server, its kernels (not the engines
     they start) and the Chromium this test drives."""
     server = psutil.Process(lab.proc.pid)
-    procs = [server] + [p for p in server.children(recursive=True)
-                        if not any(m in " ".join(p.cmdline()) for m in ENGINE_MARKERS)]
+    procs = [server] + [
+        p
+        for p in server.children(recursive=True)
+        if not any(m in " ".join(p.cmdline()) for m in ENGINE_MARKERS)
+    ]
     procs += [p for p in psutil.Process().children(recursive=True) if "chrom" in p.name()]
     return procs
 
@@ -69,8 +72,7 @@ def _cpu_s(procs) -> dict:
             cmd = " ".join(p.cmdline())
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        kind = "chromium" if "chrom" in p.name() else "kernel" if "ipykernel" in cmd \
-            else "server"
+        kind = "chromium" if "chrom" in p.name() else "kernel" if "ipykernel" in cmd else "server"
         out[kind] += t.user + t.system
     out["all"] = sum(out.values())
     return out
@@ -93,7 +95,8 @@ def _watch(page, shots: dict | None = None) -> None:
             if done and shots[mark] is None and done[0] >= mark * done[1]:
                 shots[mark] = state
                 page.locator(".nbpar-dashboard").screenshot(
-                    path=str(ARTIFACTS / f"live_{int(mark * 100)}.png"))
+                    path=str(ARTIFACTS / f"live_{int(mark * 100)}.png")
+                )
         page.wait_for_timeout(250)
     raise AssertionError(f"the run did not finish in 420 s: {state}")
 
@@ -109,11 +112,18 @@ def _shown_run(page, lab, shots=None) -> dict:
     if shots is not None:
         page.locator(".nbpar-dashboard").screenshot(path=str(ARTIFACTS / "live_start.png"))
     _watch(page, shots)
-    out = {"cores": _cores(cpu, _cpu_s(procs), time.monotonic() - wall), "before": before,
-           "after": page.evaluate(LIVE_STATE),
-           "lag": [s for s in page.evaluate("() => { clearInterval(window.__nbparSampler); "
-                                             "return window.__nbparLag; }")
-                   if s[1] >= clicked]}  # this run's steps, not the last run's
+    out = {
+        "cores": _cores(cpu, _cpu_s(procs), time.monotonic() - wall),
+        "before": before,
+        "after": page.evaluate(LIVE_STATE),
+        "lag": [
+            s
+            for s in page.evaluate(
+                "() => { clearInterval(window.__nbparSampler); return window.__nbparLag; }"
+            )
+            if s[1] >= clicked
+        ],
+    }  # this run's steps, not the last run's
     Picker(page).run_button.filter(has_text="Run").wait_for(timeout=60_000)
     return out
 
@@ -144,15 +154,21 @@ def test_picker_run_grows_the_curves_while_it_trains(lab, browser):
     stats = _lag_stats(measured["lag"])
     cores = {"shown": measured["cores"]["all"], "quiet": quiet_cores["all"]}
     share = (cores["shown"] - cores["quiet"]) / (os.cpu_count() or 2)
-    print("cores used shown:", {k: round(v, 3) for k, v in measured["cores"].items()},
-          "not shown:", {k: round(v, 3) for k, v in quiet_cores.items()})
-    print(f"first step drawn {stats['first']:.2f} s after it ran; newest step drawn median "
-          f"{stats['median']:.2f} s, p95 {stats['p95']:.2f} s, max {stats['max']:.2f} s old "
-          f"({stats['n']} samples; the kernel sent it median {stats['kernel']:.2f} s after "
-          f"the step); {measured['after']['draws']} draws, slowest "
-          f"{measured['after']['slowest_ms']:.0f} ms; viewers' CPU {cores['shown']:.3f} vs "
-          f"{cores['quiet']:.3f} cores shown vs not: {share:.1%} of the machine; step time shown "
-          f"{shown * 1e3:.2f} ms vs not shown {quiet * 1e3:.2f} ms (ratio {shown / quiet:.3f})")
+    print(
+        "cores used shown:",
+        {k: round(v, 3) for k, v in measured["cores"].items()},
+        "not shown:",
+        {k: round(v, 3) for k, v in quiet_cores.items()},
+    )
+    print(
+        f"first step drawn {stats['first']:.2f} s after it ran; newest step drawn median "
+        f"{stats['median']:.2f} s, p95 {stats['p95']:.2f} s, max {stats['max']:.2f} s old "
+        f"({stats['n']} samples; the kernel sent it median {stats['kernel']:.2f} s after "
+        f"the step); {measured['after']['draws']} draws, slowest "
+        f"{measured['after']['slowest_ms']:.0f} ms; viewers' CPU {cores['shown']:.3f} vs "
+        f"{cores['quiet']:.3f} cores shown vs not: {share:.1%} of the machine; step time shown "
+        f"{shown * 1e3:.2f} ms vs not shown {quiet * 1e3:.2f} ms (ratio {shown / quiet:.3f})"
+    )
     _check_shots(first["before"], shots)
     assert stats["first"] < FIRST_S, f"first step drawn {stats['first']:.2f} s after it ran"
     assert stats["p95"] < LAG_S, f"the figure was {stats['p95']:.2f} s behind (95th percentile)"
@@ -160,8 +176,11 @@ def test_picker_run_grows_the_curves_while_it_trains(lab, browser):
     # What showing costs (viewers' CPU, step time shown vs not) is a speed figure: it is
     # written next to the screenshots and measured with repeats in
     # benchmarks/dashboard_overhead.py, not asserted here, where other work shares the cores.
-    (ARTIFACTS / "live_cost.json").write_text(json.dumps(
-        {"cpu_share": share, "cores": cores, "step_s_shown": shown, "step_s_quiet": quiet}))
+    (ARTIFACTS / "live_cost.json").write_text(
+        json.dumps(
+            {"cpu_share": share, "cores": cores, "step_s_shown": shown, "step_s_quiet": quiet}
+        )
+    )
 
 
 def _check_shots(before: dict, shots: dict) -> None:
@@ -184,6 +203,11 @@ def _lag_stats(lag: list) -> dict:
     assert drawn, "the page never drew a step"
     running = drawn[:-20]  # the last 2 s: the run has ended, the newest step ages
     ages = sorted(s[0] - s[2] for s in running)
-    return {"first": drawn[0][0] - drawn[0][1], "n": len(ages),
-            "median": statistics.median(ages), "p95": ages[int(0.95 * (len(ages) - 1))],
-            "max": ages[-1], "kernel": statistics.median(s[4] - s[2] for s in running)}
+    return {
+        "first": drawn[0][0] - drawn[0][1],
+        "n": len(ages),
+        "median": statistics.median(ages),
+        "p95": ages[int(0.95 * (len(ages) - 1))],
+        "max": ages[-1],
+        "kernel": statistics.median(s[4] - s[2] for s in running),
+    }

@@ -2,6 +2,7 @@
 strategy starts valid with only the controls that apply, every invalid input of the
 issue is refused with a message in the labels' words (the box keeps what was typed),
 advice given is advice that runs, and Run cannot start a second run while one goes."""
+
 from __future__ import annotations
 
 import re
@@ -16,17 +17,20 @@ try:
 except ImportError:  # the `browser` fixture fails with how to install it
     expect = None
 
-CELLS = ["import nbpar\npool = nbpar.Pool(2)\npool",
-         "picker = nbpar.StrategyPicker(pool, model='tiny_gpt', steps=300)\npicker",
-         "pool.shutdown()"]
+CELLS = [
+    "import nbpar\npool = nbpar.Pool(2)\npool",
+    "picker = nbpar.StrategyPicker(pool, model='tiny_gpt', steps=300)\npicker",
+    "pool.shutdown()",
+]
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "pipeline", "tp", "hybrid")
-BAD_NUMBERS = [("micro-batch", "0", "micro-batch must be a whole number of at least 1, got 0"),
-               ("micro-batch", "-5", "micro-batch must be a whole number of at least 1, got -5"),
-               ("micro-batch", "100000",
-                "micro-batch 100000 is more than this picker runs (at most 4096)"),
-               ("micro-batch", "7.5", "micro-batch must be a whole number, not 7.5"),
-               ("steps", "0", "steps must be a whole number of at least 1, got 0"),
-               ("grad accum", "", "grad accum is empty: type a whole number")]
+BAD_NUMBERS = [
+    ("micro-batch", "0", "micro-batch must be a whole number of at least 1, got 0"),
+    ("micro-batch", "-5", "micro-batch must be a whole number of at least 1, got -5"),
+    ("micro-batch", "100000", "micro-batch 100000 is more than this picker runs (at most 4096)"),
+    ("micro-batch", "7.5", "micro-batch must be a whole number, not 7.5"),
+    ("steps", "0", "steps must be a whole number of at least 1, got 0"),
+    ("grad accum", "", "grad accum is empty: type a whole number"),
+]
 T = 20_000  # ms for the kernel to answer a change
 
 
@@ -53,8 +57,13 @@ def _schedule_and_back(picker) -> None:
     picker.choose("strategy", "pipeline")
     _ready(picker, "pipeline")
     picker.choose("schedule", "1f1b")
-    _problems(picker, ["schedule 1f1b needs at least as many micro-batches (grad accum 1) as "
-                       "pipeline stages (pp 2); raise grad accum or use schedule gpipe"])
+    _problems(
+        picker,
+        [
+            "schedule 1f1b needs at least as many micro-batches (grad accum 1) as "
+            "pipeline stages (pp 2); raise grad accum or use schedule gpipe"
+        ],
+    )
     picker.type("grad accum", "2")
     _ready(picker, "pipeline")
     picker.type("grad accum", "1")
@@ -71,8 +80,10 @@ def _hybrid_advice(picker) -> None:
     expect(picker.explanation.locator("li")).to_have_count(1, timeout=T)
     (problem,) = picker.problems()
     advice = re.search(r"e\.g\. dp (\d) × tp (\d) × pp (\d)", problem)
-    assert problem.startswith("dp × tp × pp = 2 × 1 × 2 = 4 must equal the number of "
-                              "engines (2)") and advice, problem
+    assert (
+        problem.startswith("dp × tp × pp = 2 × 1 × 2 = 4 must equal the number of engines (2)")
+        and advice
+    ), problem
     for label, value in zip(("dp", "tp", "pp"), advice.groups()):
         picker.choose(label, value)
     _ready(picker, "hybrid")
@@ -90,11 +101,15 @@ def _bad_numbers(page, picker) -> None:
     picker.choose("strategy", "tp")
     picker.choose("precision", "fp16")
     picker.type("grad accum", "two")
-    _problems(picker, [
-        "grad accum must be a whole number, not two",
-        "strategy tp needs model tiny_gpt (it splits transformer layers), got simple_cnn",
-        "precision fp16 needs backend deepspeed (its loss scaler); use bf16 or fp32 with "
-        "backend torch"])
+    _problems(
+        picker,
+        [
+            "grad accum must be a whole number, not two",
+            "strategy tp needs model tiny_gpt (it splits transformer layers), got simple_cnn",
+            "precision fp16 needs backend deepspeed (its loss scaler); use bf16 or fp32 with "
+            "backend torch",
+        ],
+    )
     page.locator(".nbpar-picker").screenshot(path=str(ARTIFACTS / "picker_problems.png"))
     picker.type("grad accum", "1")
     picker.choose("precision", "fp32")

@@ -1,5 +1,6 @@
 """The tiny GPT the pipeline and hybrid tests train: sizes, model, the micro-batches of
 each global step (the same on every rank) and the single-process reference losses."""
+
 from __future__ import annotations
 
 import functools
@@ -22,20 +23,28 @@ def make_model(seed=0, **sizes):
 
 
 def make_cfg(**kw):
-    base = dict(model="tiny_gpt", schedule="1f1b", grad_accum=ACCUM, micro_batch=MICRO,
-                lr=1e-3, optimizer="adam", precision="fp32", strategy="pipeline",
-                gpt=GPTConfig(**SIZES))
+    base = dict(
+        model="tiny_gpt",
+        schedule="1f1b",
+        grad_accum=ACCUM,
+        micro_batch=MICRO,
+        lr=1e-3,
+        optimizer="adam",
+        precision="fp32",
+        strategy="pipeline",
+        gpt=GPTConfig(**SIZES),
+    )
     return TrainConfig(**{**base, **kw})
 
 
 def batches(step, accum=ACCUM, micro=MICRO):
     """The micro-batches (x, y) of global step ``step``; same on every rank."""
     g = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, SIZES["vocab_size"], (accum * micro, SIZES["seq_len"] + 1),
-                           generator=g)
+    tokens = torch.randint(
+        0, SIZES["vocab_size"], (accum * micro, SIZES["seq_len"] + 1), generator=g
+    )
     x, y = tokens[:, :-1], tokens[:, 1:]
-    return [(x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro])
-            for i in range(accum)]
+    return [(x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro]) for i in range(accum)]
 
 
 @functools.cache
@@ -45,8 +54,7 @@ def single_losses(steps=STEPS, accum=ACCUM, micro=MICRO):
 
     model = make_model()
     runner = StepRunner(model, torch.optim.Adam(model.parameters(), lr=1e-3), lm_loss)
-    return [runner.train_step(batches(s, accum, micro)).item()
-            for s in range(steps)]
+    return [runner.train_step(batches(s, accum, micro)).item() for s in range(steps)]
 
 
 def build_mesh(world, **dims):

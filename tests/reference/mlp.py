@@ -1,5 +1,6 @@
 """The small MLP every data-parallel strategy test trains: model, global batches, each dp
 rank's share, the single-process Adam reference and the comparison with it."""
+
 from __future__ import annotations
 
 import types
@@ -22,7 +23,8 @@ class Stack(nn.Module):
     def __init__(self):
         super().__init__()
         self.layers = nn.ModuleDict(
-            {str(i): nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()) for i in range(4)})
+            {str(i): nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()) for i in range(4)}
+        )
 
     def forward(self, x):
         for block in self.layers.values():
@@ -46,13 +48,17 @@ def global_batch(step: int):
     return torch.randn(n, DIM, generator=g), torch.randint(0, DIM, (n,), generator=g)
 
 
-def rank_micro_batches(step: int, dp_rank: int, b: int = B, accum: int = ACCUM,
-                       dp: int = WORLD):
+def rank_micro_batches(step: int, dp_rank: int, b: int = B, accum: int = ACCUM, dp: int = WORLD):
     """This dp rank's ``accum`` micro-batches of ``b`` rows (b * accum * dp rows in all)."""
     assert b * accum * dp == B * ACCUM * WORLD
     x, y = global_batch(step)
-    return [(x[(m * dp + dp_rank) * b:(m * dp + dp_rank + 1) * b],
-             y[(m * dp + dp_rank) * b:(m * dp + dp_rank + 1) * b]) for m in range(accum)]
+    return [
+        (
+            x[(m * dp + dp_rank) * b : (m * dp + dp_rank + 1) * b],
+            y[(m * dp + dp_rank) * b : (m * dp + dp_rank + 1) * b],
+        )
+        for m in range(accum)
+    ]
 
 
 def reference(lr: float = LR):
@@ -71,10 +77,23 @@ def reference(lr: float = LR):
 
 
 def make_cfg(strategy, backend="torch", **kw):
-    fields = dict(model="test", strategy=strategy, backend=backend, micro_batch=B,
-                  grad_accum=ACCUM, lr=LR, optimizer="adam", precision="fp32",
-                  offload="none", fsdp_reshard=None, deepspeed_config=None,
-                  optimizer_params=None, grad_clip=0.0, lr_schedule=None, steps=STEPS)
+    fields = dict(
+        model="test",
+        strategy=strategy,
+        backend=backend,
+        micro_batch=B,
+        grad_accum=ACCUM,
+        lr=LR,
+        optimizer="adam",
+        precision="fp32",
+        offload="none",
+        fsdp_reshard=None,
+        deepspeed_config=None,
+        optimizer_params=None,
+        grad_clip=0.0,
+        lr_schedule=None,
+        steps=STEPS,
+    )
     return types.SimpleNamespace(**{**fields, **kw})
 
 
@@ -99,9 +118,15 @@ def full_bytes():
 
 def check_against_reference(result, ref, loss_atol=1e-5, param_atol=1e-5):
     ref_losses, ref_params = ref
-    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses),
-                               atol=loss_atol, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(result["losses"]), torch.tensor(ref_losses), atol=loss_atol, rtol=0
+    )
     assert result["params"].keys() == ref_params.keys()
     for name, p in ref_params.items():
-        torch.testing.assert_close(torch.tensor(result["params"][name]), p, atol=param_atol, rtol=0,
-                                   msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            torch.tensor(result["params"][name]),
+            p,
+            atol=param_atol,
+            rtol=0,
+            msg=lambda m: f"{name}: {m}",
+        )
