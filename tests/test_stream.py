@@ -157,3 +157,14 @@ def test_in_a_jupyter_kernel_lines_stream_by_default():
     assert [text for _, kind, text in out[-2:]] == [
         "".join(f"[rank {r}] tick {i}\n" for i in range(3)) for r in (0, 1)
     ]
+
+
+def test_rank0_streams_and_prints_rank_0_only(ip, pool, pub, capsys):
+    pool.activate()
+    ip.run_cell_magic("dist", "--stream --rank0", SLOW_CELL)
+    live = "\n".join(o["data"]["text/plain"] for o in pub if o["transient"])
+    assert "[rank 0] tick 0" in live
+    assert "[rank 1]" not in live
+    out = capsys.readouterr()
+    assert out.out == "".join(f"[rank 0] tick {i}\n" for i in range(3))
+    assert out.err == "[rank 0] warn 0\n"

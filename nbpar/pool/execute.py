@@ -206,12 +206,18 @@ def interrupt(pool, ranks, ars, wait_s: float = 3.0) -> None:
 
 
 def run_cell(
-    pool, code: str, ranks, timeout: float | None, stream: bool | None = None
+    pool,
+    code: str,
+    ranks,
+    timeout: float | None,
+    stream: bool | None = None,
+    live_ranks=None,
 ) -> DistResult:
     """Execute ``code`` on ``ranks`` (each in its engine's namespace).
 
     ``stream``: show each rank's lines while the cell runs (default: in a Jupyter
-    kernel); the grouped output replaces them at the end.
+    kernel); the grouped output replaces them at the end. ``live_ranks``: the ranks
+    whose lines are streamed (default: all).
     """
     busy = pool.busy_ranks(ranks)
     if busy:
@@ -229,7 +235,7 @@ def run_cell(
     from nbpar.view.logplot import LogPlot
 
     plot = LogPlot(ars, show=True)  # draws nbpar.log(...) records live, if any
-    live = LiveOutput(ars, stream)
+    live = LiveOutput(ars, stream, live_ranks)
     live.start()
 
     def poll():

@@ -28,7 +28,9 @@ def _cell_parser() -> _Parser:
         default=None,
         help="seconds before the cell gives up (default: the pool's)",
     )
-    p.add_argument("--rank0", action="store_true", help="show only rank 0's output")
+    p.add_argument(
+        "--rank0", action="store_true", help="show only rank 0's output (live and at the end)"
+    )
     p.add_argument(
         "--stream",
         action="store_true",
@@ -55,8 +57,11 @@ class DistMagics(Magics):
         if args.timeout is not None and args.timeout <= 0:
             raise ValueError(f"%%dist: --timeout must be positive, got {args.timeout:g}")
         pool = pool_mod.current()
-        result = pool.execute(cell, targets=args.targets, timeout=args.timeout, stream=args.stream)
-        result.render([0] if args.rank0 else None)
+        shown = [0] if args.rank0 else None
+        result = pool.execute(
+            cell, targets=args.targets, timeout=args.timeout, stream=args.stream, live_ranks=shown
+        )
+        result.render(shown)
 
     @line_magic("dist")
     def dist_line(self, line):

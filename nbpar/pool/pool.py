@@ -352,18 +352,23 @@ class Pool:
         return sorted(set(targets))
 
     def execute(
-        self, code: str, targets=None, timeout: float | None = None, stream: bool | None = None
+        self,
+        code: str,
+        targets=None,
+        timeout: float | None = None,
+        stream: bool | None = None,
+        live_ranks=None,
     ):
         """Run ``code`` on the target ranks; return a DistResult (raises on error).
 
-        ``stream``: show each rank's lines live (default: in a Jupyter kernel).
+        ``stream``: show each rank's lines live (default: in a Jupyter kernel);
+        ``live_ranks``: only these ranks' lines (default: all).
         """
         from nbpar.pool.execute import run_cell
 
         self._check_open()
-        return run_cell(
-            self, code, self.ranks(targets), self.timeout if timeout is None else timeout, stream
-        )
+        timeout = self.timeout if timeout is None else timeout
+        return run_cell(self, code, self.ranks(targets), timeout, stream, live_ranks)
 
     def run(self, fn, *args, targets=None, timeout: float | None = None, **kwargs) -> list:
         """Call ``fn(*args, **kwargs)`` on each target rank; results in rank order."""

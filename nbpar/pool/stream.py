@@ -38,10 +38,11 @@ def in_kernel() -> bool:
 class LiveOutput:
     """New complete lines of every rank, shown in one display area while a cell runs."""
 
-    def __init__(self, ars: dict, show: bool | None = None):
-        self.ars = ars
+    def __init__(self, ars: dict, show: bool | None = None, ranks=None):
+        """``ranks``: the ranks whose lines are shown (default: all of ``ars``)."""
+        self.ars = ars if ranks is None else {r: ar for r, ar in ars.items() if r in ranks}
         self.show = in_kernel() if show is None else show
-        self.seen = {(r, name): 0 for r in ars for name in STREAMS}
+        self.seen = {(r, name): 0 for r in self.ars for name in STREAMS}
         self.lines: deque[str] = deque(maxlen=LIVE_LINES)
         self.handle = None
 
