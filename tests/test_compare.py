@@ -156,3 +156,45 @@ def test_a_factory_model_is_labelled_by_its_name():
         finished=True,
     )
     assert run_row(run)["run"] == "ddp/torch tests.test_compare:make_tiny_mlp"
+
+
+def _states_run(strategy: str, ranks: list[tuple[int, int, int, int, int]]) -> dict:
+    """A result dict whose ranks hold (params, grads, optim, peak, sent) bytes."""
+    return {
+        "config": TrainConfig(strategy=strategy, steps=2).to_dict(),
+        "losses": [2.0, 1.5],
+        "ranks": [
+            dict(zip(("param_bytes", "grad_bytes", "optim_bytes", "peak_bytes", "comm_bytes"), r))
+            | {"rank": i}
+            for i, r in enumerate(ranks)
+        ],
+        "step_time_s": 0.1,
+        "comm_fraction": 0.5,
+        "exposed_comm_fraction": 0.25,
+    }
+
+
+def test_relative_divides_each_run_by_the_baseline_run():
+    ddp = _states_run("ddp", [(400, 400, 800, 3000, 400), (400, 400, 800, 3000, 400)])
+    # pipeline-like: the ranks differ, and the largest sum is not the largest of each part
+    pp = _states_run("pipeline", [(300, 300, 600, 1000, 100), (100, 100, 700, 2000, 120)])
+    cmp = compare([ddp, pp], labels=["ddp", "pp"])
+    assert cmp.table[1]["states_bytes"] == 1200  # rank 0's 1200, not 300 + 300 + 700
+    base, other = cmp.relative("ddp")
+    assert base["states_share"] == base["peak_share"] == base["comm_ratio"] == 1.0
+    assert other["label"] == "pp" and other["states_bytes"] == 1200
+    assert other["states_share"] == 1200 / 1600 and other["peak_share"] == 2000 / 3000
+    assert other["comm_ratio"] == 120 / 400 and other["exposed_comm_fraction"] == 0.25
+    assert [r["states_share"] for r in cmp.relative("pp")] == [1600 / 1200, 1.0]
+    with pytest.raises(ValueError, match="no run labelled 'zero3'"):
+        cmp.relative("zero3")
+
+
+def test_relative_without_counted_bytes():
+    ddp = _states_run("ddp", [(4, 4, 8, 30, 0)])
+    for r in ddp["ranks"]:
+        del r["comm_bytes"]
+    zero = _states_run("zero1", [(4, 4, 4, 20, 40)])
+    a, b = compare([ddp, zero]).relative("ddp/torch")
+    assert a["comm_ratio"] is None and b["comm_ratio"] is None
+    assert b["states_share"] == 12 / 16

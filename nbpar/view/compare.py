@@ -88,6 +88,7 @@ def summarize(obj, label: str | None = None) -> dict:
     }
     for key in ("peak_bytes", "param_bytes", "grad_bytes", "optim_bytes"):
         row[key] = max(r[key] for r in ranks)
+    row["states_bytes"] = max(r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"] for r in ranks)
     sent = [r["comm_bytes"] for r in ranks if r.get("comm_bytes") is not None]
     row["comm_bytes"] = max(sent) if sent else None
     row.update(
@@ -116,7 +117,8 @@ def differences(rows: list[dict]) -> list[str]:
 
 
 class Comparison:
-    """``.table`` (rows), ``.warnings``, ``.figure`` (bars); HTML table + figure."""
+    """``.table`` (rows), ``.warnings``, ``.figure`` (bars), ``.relative(baseline)``;
+    HTML table + figure."""
 
     def __init__(self, rows: list[dict]):
         self.table = rows
@@ -128,6 +130,32 @@ class Comparison:
         if self._figure is None:
             self._figure = _figure(self.table)
         return self._figure
+
+    def relative(self, baseline: str) -> list[dict]:
+        """Each run's model states, peak and bytes sent per step next to the ``baseline``
+        run's (a label): ``states_share`` and ``peak_share`` are row / baseline, ``comm_ratio``
+        bytes sent / baseline's (None where a run counted none). Byte ratios are exact; the
+        exposed communication share, a timing, is carried along as measured."""
+        rows = {row["label"]: row for row in self.table}
+        if baseline not in rows:
+            raise ValueError(f"no run labelled {baseline!r}; labels: {', '.join(rows)}")
+        base = rows[baseline]
+        sent = base["comm_bytes"]
+        return [
+            {
+                "label": row["label"],
+                "states_bytes": row["states_bytes"],
+                "states_share": row["states_bytes"] / base["states_bytes"],
+                "peak_bytes": row["peak_bytes"],
+                "peak_share": row["peak_bytes"] / base["peak_bytes"],
+                "comm_bytes": row["comm_bytes"],
+                "comm_ratio": None
+                if not sent or row["comm_bytes"] is None
+                else row["comm_bytes"] / sent,
+                "exposed_comm_fraction": row["exposed_comm_fraction"],
+            }
+            for row in self.table
+        ]
 
     def __repr__(self) -> str:
         cells = [[title for _, title in COLUMNS]]
