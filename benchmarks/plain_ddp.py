@@ -18,22 +18,19 @@ Rank 0 prints one JSON line:
 
 import argparse
 import json
-import os
 import statistics
 import time
 
-import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from nbpar.config import GPTConfig, TrainConfig
-from nbpar.train.data import build_loader
-from nbpar.train.models import build_model, loss_fn
+from nbpar.train.ddp_script import batches, build, setup
 
 
-def train(args, rank: int, world: int) -> tuple[list[float], list[float], float]:
+def train(args, dev, device_ids) -> tuple[list[float], list[float], float]:
     """Build everything and run the steps: (step times, wall clock at each step's end,
-    the last step's loss of the global batch)."""
+    the last step's loss of the global batch). The DDP recipe's own pieces
+    (`nbpar.train.ddp_script`), with a timer around each step."""
     cfg = TrainConfig(
         model=args.model,
         strategy="ddp",
@@ -41,13 +38,12 @@ def train(args, rank: int, world: int) -> tuple[list[float], list[float], float]
         steps=args.steps,
         gpt=GPTConfig(d_model=args.d_model, n_layers=args.layers, seq_len=args.seq_len),
     )
-    model = DDP(build_model(cfg))
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    criterion = loss_fn(cfg.model)
-    batches = iter(build_loader(cfg, rank, world))
+    model, opt, criterion, loader = build(cfg, dev, device_ids)
+    data = batches(loader, dev)
+    world = dist.get_world_size()
     times, ends = [], []
     for _ in range(args.steps):
-        x, y = next(batches)
+        x, y = next(data)
         t = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = criterion(model(x), y)
@@ -71,15 +67,15 @@ def main():
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--warmup-steps", type=int, default=2, help="an untimed run first (0: none)")
     args = p.parse_args()
-    dist.init_process_group("gloo")
+    # the process group, the device and, on CPU, nbpar's rule for threads per process
+    dev, device_ids = setup()
     rank, world = dist.get_rank(), dist.get_world_size()
-    # nbpar's rule for gloo engines on one host: the cores shared out between the ranks
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if args.warmup_steps:  # as nbpar's pool is warmed: one short run first, not timed
-        train(argparse.Namespace(**{**vars(args), "steps": args.warmup_steps}), rank, world)
+        warm = argparse.Namespace(**{**vars(args), "steps": args.warmup_steps})
+        train(warm, dev, device_ids)
     dist.barrier()
     start = time.perf_counter()
-    times, ends, last = train(args, rank, world)
+    times, ends, last = train(args, dev, device_ids)
     dist.barrier()
     wall = time.perf_counter() - start
     loops = [None] * world
