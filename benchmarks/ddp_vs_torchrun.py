@@ -8,7 +8,7 @@ until ``result()`` returns, shut the pool down (no engine left), then time the s
 N steps under torchrun (`plain_ddp.py`: from a barrier after its process group is up
 to a barrier after the last step). Both windows hold building the model, optimizer
 and data loader and the N steps; nbpar's also holds its own per-step work (the stop
-check, memory reads, the one metered step, publishing a record) and sending the
+check, memory reads, the metered steps, publishing a record) and sending the
 config and collecting the results. The pairs alternate which side goes first.
 
 Target: the median over pairs of nbpar's / torchrun's wall time <= 1.05.

@@ -102,6 +102,25 @@ def saved(tmp_path_factory):
     return ck
 
 
+def test_consolidate_to_safetensors_by_suffix(saved, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    as_pt = torch.load(checkpoint.consolidate(saved, tmp_path / "m.pt"), weights_only=True)
+    out = checkpoint.consolidate(saved, tmp_path / "m.safetensors")
+    with open(out, "rb") as f:  # safetensors, not a pickle: 8-byte header size, JSON header
+        header_len = int.from_bytes(f.read(8), "little")
+        assert f.read(1) == b"{" and header_len > 0
+    with safe_open(out, framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    state = load_file(out)
+    assert state.keys() == as_pt.keys()
+    for k, v in as_pt.items():
+        assert torch.equal(state[k], v), k
+    build_model(TrainConfig(**GPT)).load_state_dict(state)  # strict: every key, every shape
+    assert sorted(os.listdir(tmp_path)) == ["m.pt", "m.safetensors"]  # no temp file left
+
+
 def _copy(src, dst):
     import shutil
 

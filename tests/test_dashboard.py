@@ -4,6 +4,7 @@ that show what differs per rank; the static figure draws the same state."""
 from __future__ import annotations
 
 import math
+import statistics
 import threading
 import time
 
@@ -116,10 +117,18 @@ def test_step_and_comm_time_per_rank_with_the_health_note():
     run = FakeRun(history=history(4, comm=(0.01, 0.03)))
     dash = live(run)
     labels = [s["label"] for s in _panel(dash.chart.spec, "step")["series"]]
-    assert labels == ["rank 0 step", "rank 1 step", "rank 0 comm", "rank 1 comm"]
-    assert _col(dash.chart, "step", 1) == [r["step_time_s"] for r in run.history if r["rank"] == 1]
-    assert _col(dash.chart, "step", 3) == [0.03] * 4
-    share = 0.12 / sum(r["step_time_s"] for r in run.history if r["rank"] == 1)
+    assert labels == [
+        "rank 0 step",
+        "rank 1 step",
+        "rank 0 exposed comm",
+        "rank 1 exposed comm",
+    ]
+    rank1 = [r for r in run.history if r["rank"] == 1]
+    assert _col(dash.chart, "step", 1) == [r["step_time_s"] for r in rank1]
+    # the metered step (1) measured 0.03 s in flight, half exposed; carried forward
+    assert _col(dash.chart, "step", 3) == [None, 0.015, 0.015, 0.015]
+    normal = statistics.median(r["step_time_s"] for r in rank1 if not r.get("comm_metered"))
+    share = 0.015 / normal
     assert share > COMM_HEALTH
     assert f"rank 1 {share:.0%}" in dash.chart.notes["step"]
     assert "worth a look" in dash.chart.notes["step"]
@@ -275,11 +284,26 @@ def test_plot_step_split_static():
     run = FakeRun(history=history(4, comm=(0.01, 0.03)))
     ax = plot_step_split(run).axes[0]
     groups = by_rank(run.history)
-    heights = [p.get_height() for p in ax.patches[:2]]
-    expected = [
-        sum(r["comm_s"] for r in g) / sum(r["step_time_s"] for r in g) for g in groups.values()
-    ]
-    assert heights == pytest.approx(expected)
+    normal = {
+        r: statistics.median(x["step_time_s"] for x in g if not x.get("comm_metered"))
+        for r, g in groups.items()
+    }
+    # bars per rank, bottom up: exposed, hidden by compute, compute only (of a normal step)
+    exposed, hidden, compute = (ax.patches[i : i + 2] for i in (0, 2, 4))
+    assert [p.get_height() for p in exposed] == pytest.approx(
+        [0.005 / normal[0], 0.015 / normal[1]]
+    )
+    assert [p.get_height() for p in hidden] == pytest.approx([0.005 / normal[0], 0.015 / normal[1]])
+    assert [p.get_y() + p.get_height() for p in compute] == pytest.approx([1.0, 1.0])
+    assert [p.get_y() for p in hidden] == [p.get_height() for p in exposed]
+
+
+def test_step_split_is_empty_before_the_first_metered_step():
+    run = FakeRun(history=history(4)[:2])  # step 0 only: nothing metered yet
+    ax = plot_step_split(run).axes[0]
+    assert [p.get_height() for p in ax.patches] == [0.0] * 6
+    dash = live(run)
+    assert "not metered yet" in dash.chart.notes["step"]
 
 
 def test_loss_difference_figure_plots_both_curves_and_their_difference():

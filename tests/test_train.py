@@ -166,3 +166,25 @@ def test_digits_training_runs_past_an_epoch():
 def test_parallel_strategy_without_process_group_is_rejected():
     with pytest.raises(ValueError, match="needs a torch.distributed process group"):
         run_training(TrainConfig(strategy="ddp", steps=1))
+
+
+def test_metered_steps_are_the_second_then_every_meter_every_th():
+    from nbpar.train.loop import METER_EVERY, is_metered
+
+    every = METER_EVERY
+    assert [s for s in range(50) if is_metered(s, 0, 50)] == [1, 1 + every, 1 + 2 * every]
+    assert [s for s in range(5, 30) if is_metered(s, 5, 30)] == [6, 6 + every]  # resumed at 5
+    assert [s for s in range(1) if is_metered(s, 0, 1)] == [0]  # a one-step run: its only step
+
+
+@pytest.mark.timeout(120)
+def test_a_run_reports_its_metered_steps_communication(ddp):
+    from nbpar.train.loop import is_metered
+
+    for rank in range(2):
+        res = ddp[rank]["tiny_gpt"]
+        metered = [r for r in res["history"] if r.get("comm_metered")]
+        assert [r["step"] for r in metered] == [s for s in range(20) if is_metered(s, 0, 20)]
+        assert res["comm_s"] == metered[0]["comm_in_flight_s"] > 0
+        assert res["exposed_comm_s"] == metered[0]["exposed_comm_s"]
+        assert res["comm_bytes"] == metered[0]["comm_bytes"] > 0

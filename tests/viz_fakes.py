@@ -7,16 +7,24 @@ import statistics
 from dataclasses import dataclass, field
 
 from nbpar.config import TrainConfig
+from nbpar.train.loop import is_metered
 
 MB = 2**20
 
 
 def record(
-    step: int, rank: int, *, comm_s: float = 0.01, tokens: bool = True, local: bool = False
+    step: int,
+    rank: int,
+    *,
+    comm_s: float = 0.01,
+    tokens: bool = True,
+    local: bool = False,
+    metered: bool = False,
 ) -> dict:
     """One step record like nbpar.train.loop publishes; values differ per step and rank
     (``loss`` as published: the same on every rank after averaging; ``local=True`` adds
-    each rank's own ``local_loss``)."""
+    each rank's own ``local_loss``; ``metered=True`` the metered step's in-flight time
+    ``comm_s``, half of it exposed)."""
     step_s = 0.05 + 0.001 * step + 0.01 * rank
     samples = 16 / step_s
     extra = {"local_loss": 5.0 / (1 + step) + 0.1 * (rank - 0.5)} if local else {}
@@ -37,15 +45,17 @@ def record(
         "rss_bytes": (100 + step + rank) * MB,
         "peak_bytes": (120 + step + rank) * MB,
         "time": 1000.0 + 0.1 * step,
+        **({"comm_metered": True, "comm_in_flight_s": comm_s} if metered else {}),
     }
 
 
 def history(
     steps: int, ranks=(0, 1), comm=(0.01, 0.03), tokens: bool = True, local: bool = False
 ) -> list[dict]:
-    """Records ordered by (step, rank), as Run.history returns them."""
+    """Records ordered by (step, rank), as Run.history returns them; the steps a run
+    meters (`nbpar.train.loop.is_metered`) carry the metered figures."""
     return [
-        record(s, r, comm_s=comm[i], tokens=tokens, local=local)
+        record(s, r, comm_s=comm[i], tokens=tokens, local=local, metered=is_metered(s, 0, steps))
         for s in range(steps)
         for i, r in enumerate(ranks)
     ]

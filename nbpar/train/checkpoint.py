@@ -244,12 +244,14 @@ def resume(cfg, runner, batches, *, rank: int, world: int, distributed: bool) ->
 
 # ---- consolidate --------------------------------------------------------------
 def consolidate(checkpoint_path, out_file) -> str:
-    """Write the full model weights of a checkpoint to one ``torch.save`` file.
+    """Write the full model weights of a checkpoint to one file.
 
     ``checkpoint_path`` is a ``step_*`` folder or a checkpoint_dir (its
-    ``latest``). The file holds a plain ``{name: tensor}`` dict that loads with
-    ``torch.load(out_file, weights_only=True)`` into
-    ``nbpar.train.models.build_model(cfg).load_state_dict``. Runs in one process.
+    ``latest``). The file holds a plain ``{name: tensor}`` dict for
+    ``nbpar.train.models.build_model(cfg).load_state_dict``: a name ending in
+    ``.safetensors`` is written with safetensors (tensors and a JSON header, no pickle,
+    so loading it runs no code; ``safetensors.torch.load_file``), any other with
+    ``torch.save`` (``torch.load(out_file, weights_only=True)``). Runs in one process.
     """
     from nbpar.config import TrainConfig
     from nbpar.train.models import build_model
@@ -268,8 +270,22 @@ def consolidate(checkpoint_path, out_file) -> str:
     out_file = os.fspath(out_file)
     os.makedirs(os.path.dirname(os.path.abspath(out_file)), exist_ok=True)
     with atomic_path(out_file) as tmp:
-        torch.save(full, tmp)
+        _write_weights(full, tmp, safetensors=out_file.endswith(".safetensors"))
     return out_file
+
+
+def _write_weights(state: dict, path: str, *, safetensors: bool) -> None:
+    if not safetensors:
+        torch.save(state, path)
+        return
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise ImportError(
+            "a .safetensors export needs the safetensors package: `pip install safetensors`"
+        ) from None
+    # one contiguous buffer per tensor ("format": "pt" is what transformers looks for)
+    save_file({k: v.contiguous() for k, v in state.items()}, path, metadata={"format": "pt"})
 
 
 def _deepspeed_weights(step_dir: str) -> dict:

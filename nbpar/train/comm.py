@@ -19,8 +19,8 @@ an upper bound. The metered step itself is several times slower than the others 
 op goes through Python) while the collectives run at their own speed, so a run reports
 these seconds as shares of a normal (unmetered) step.
 
-A dispatch mode sends every op of the step through Python, so a run meters one sampled
-step (the loop's choice), not all of them.
+A dispatch mode sends every op of the step through Python, so a run meters sampled steps
+(`nbpar.train.loop.is_metered`), not all of them.
 """
 
 from __future__ import annotations

@@ -88,6 +88,24 @@ def _agree_to_stop(should_stop, dev, world: int) -> bool:
     return bool(flag.item())
 
 
+#: A run meters the collectives of its second step (the first may include one-off set-up
+#: traffic such as FSDP's lazy init) and of every METER_EVERY-th step after it, so the live
+#: view's communication figures stay current on long runs. A metered step runs several
+#: times slower (every op passes through Python), so the others are left alone.
+METER_EVERY = 20
+
+
+def is_metered(step: int, start: int, steps: int) -> bool:
+    """Whether ``step`` of a run over steps ``start .. steps-1`` is metered."""
+    first = min(start + 1, steps - 1)
+    return step >= first and (step - first) % METER_EVERY == 0
+
+
+def _median(records: list[dict], key: str) -> float | None:
+    values = [r[key] for r in records if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
 def _share(seconds, step: float) -> float:
     """``seconds`` as a share of a step of ``step`` seconds, in [0, 1]."""
     return min(1.0, seconds / step) if step > 0 and seconds is not None else 0.0
@@ -179,16 +197,14 @@ def _loop(
     tokens = cfg.gpt.seq_len if cfg.dataset_name() == "pysource" else None
     device.reset_peak(pg_backend)
     history = []
-    # the step whose collectives are metered: the second (the first may include
-    # one-off set-up traffic such as FSDP's lazy init), or the only one
-    metered = min(start + 1, cfg.steps - 1)
     comm = None
     for step in range(start, cfg.steps):
         if should_stop is not None and _agree_to_stop(should_stop, dev, world):
             break
         micro_batches = [batches.next() for _ in range(cfg.grad_accum)]
         timer.start_step()
-        if step == metered:
+        metered = is_metered(step, start, cfg.steps)
+        if metered:
             with CommMeter() as comm, StepMemory(runner) as mem:
                 loss = runner.train_step(micro_batches)
         else:
@@ -211,7 +227,7 @@ def _loop(
             **memory_snapshot(pg_backend),
             "time": time.time(),
         }
-        if step == metered:  # this step ran slower: every op went through Python
+        if metered:  # this step ran slower: every op went through Python
             record.update(
                 comm_bytes=comm.total(),
                 comm_bytes_by_op=comm.by_op(),
@@ -241,7 +257,8 @@ def _loop(
     total_comm = sum(r["comm_s"] for r in history)
     last = history[-1] if history else {**runner.memory(), **memory_snapshot(pg_backend)}
     last.setdefault("peak_bytes", step_peak_bytes(last))
-    metered_rec = next((r for r in history if r.get("comm_metered")), {})
+    metered_recs = [r for r in history if r.get("comm_metered")]
+    metered_rec = metered_recs[0] if metered_recs else {}
     # a normal step: the median of those not metered (every op through Python is slower)
     step_s = statistics.median(
         [r["step_time_s"] for r in history if not r.get("comm_metered")]
@@ -270,13 +287,13 @@ def _loop(
         # op in flight and the part no compute hid, as shares of a normal step (the
         # median above: the metered step itself runs several times slower, every op
         # passing through Python, while its collectives run at their own speed)
-        "comm_s": metered_rec.get("comm_in_flight_s"),
-        "exposed_comm_s": metered_rec.get("exposed_comm_s"),
-        "comm_fraction": _share(metered_rec.get("comm_in_flight_s"), step_s)
-        if metered_rec
+        "comm_s": _median(metered_recs, "comm_in_flight_s"),
+        "exposed_comm_s": _median(metered_recs, "exposed_comm_s"),
+        "comm_fraction": _share(_median(metered_recs, "comm_in_flight_s"), step_s)
+        if metered_recs
         else (min(1.0, total_comm / total_step) if total_step > 0 else 0.0),
-        "exposed_comm_fraction": _share(metered_rec.get("exposed_comm_s"), step_s)
-        if metered_rec
+        "exposed_comm_fraction": _share(_median(metered_recs, "exposed_comm_s"), step_s)
+        if metered_recs
         else None,
         "bubble_fraction": bubble() if callable(bubble) else None,
         # the part of the bubble the schedule forces with the measured stage times

@@ -40,9 +40,10 @@ class CommTimer:
     runs). ``comm_s`` is the length of the union of those intervals inside the
     step, so overlapping buckets are not double counted. It includes comm that
     overlaps with backward compute (DDP's bucketed all-reduce) as well as
-    exposed comm (the loss all-reduce). It runs on every step for the live
-    view; a run's reported ``comm_s``/``exposed_comm_s`` come from the metered step's
-    `nbpar.train.comm.CommMeter`, which sees every strategy's ops.
+    exposed comm (the loss all-reduce). It runs on every step (each record's
+    ``comm_s``) but sees only what it wraps; a run's reported ``comm_s``/``exposed_comm_s``
+    and the live view's split come from the metered steps' `nbpar.train.comm.CommMeter`,
+    which sees every strategy's ops.
     """
 
     def __init__(self):

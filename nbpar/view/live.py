@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 
 from nbpar.estimate import format_bytes
-from nbpar.view.history import COMM_HEALTH, SPLIT_WINDOW
+from nbpar.view.history import COMM_HEALTH, SPLIT_WINDOW, comm_split
 
 WAITING = "waiting for the first step"
 #: matplotlib's tab10, so the live chart and the static figures colour ranks alike
@@ -90,7 +90,7 @@ def build_spec(ranks: list[int], first: list[dict]) -> dict:
             _series(f"rank {r} own batch", i, width=1, light=True) for i, r in enumerate(ranks)
         ]
     step = [_series(f"rank {r} step", i) for i, r in enumerate(ranks)]
-    step += [_series(f"rank {r} comm", i, width=1, light=True) for i, r in enumerate(ranks)]
+    step += [_series(f"rank {r} exposed comm", i, width=1, light=True) for i, r in enumerate(ranks)]
     unit = "tokens/s" if tokens else "samples/s"
     mem = "device memory per rank (allocated)" if device else "process memory per rank (RSS)"
     panels = [
@@ -138,6 +138,7 @@ class LiveFeed:
         self._last = {r: None for r in self.ranks}  # last step read per rank
         self._pending: dict[int, dict[int, dict]] = {}
         self._recent = {r: deque(maxlen=SPLIT_WINDOW) for r in self.ranks}
+        self._metered: dict[int, dict] = {}  # rank -> its latest metered step record
         self._peak = dict.fromkeys(self.ranks, 0)
         self.latest: dict[int, dict] = {}
         self.times: tuple | None = None  # (first, latest) record time read
@@ -177,7 +178,12 @@ class LiveFeed:
         loss = [global_loss(recs)]
         if spec["local_loss"]:
             loss += [r.get("local_loss") for r in recs]
-        step = [r.get("step_time_s") for r in recs] + [r.get("comm_s") for r in recs]
+        for rank, rec in zip(self.ranks, recs):
+            if rec.get("comm_metered"):
+                self._metered[rank] = rec
+        # communication as the latest metered step measured it, carried forward
+        exposed = [(self._metered.get(r) or {}).get("exposed_comm_s") for r in self.ranks]
+        step = [r.get("step_time_s") for r in recs] + exposed
         rates = [r.get(spec["throughput_key"]) for r in recs]
         rates = [v for v in rates if v is not None]
         row = {
@@ -207,11 +213,11 @@ class LiveFeed:
         spec, ranks = self.spec, [r for r in self.ranks if r in self.latest]
         shares = {}
         for r in ranks:
-            recent = self._recent[r]
-            total = sum(x.get("step_time_s") or 0.0 for x in recent)
-            shares[r] = sum(x.get("comm_s") or 0.0 for x in recent) / total if total else 0.0
+            if r in self._metered:
+                exposed, _, step = comm_split([self._metered[r], *self._recent[r]])
+                shares[r] = exposed / step if step > 0 else 0.0
         busy = [r for r, s in shares.items() if s > COMM_HEALTH]
-        comm = " · ".join(f"rank {r} {s:.0%}" for r, s in shares.items())
+        comm = " · ".join(f"rank {r} {s:.0%}" for r, s in shares.items()) or "not metered yet"
         states = " · ".join(
             f"rank {r}: params {format_bytes(self.latest[r].get('param_bytes') or 0)}, "
             f"grads {format_bytes(self.latest[r].get('grad_bytes') or 0)}, "
@@ -226,8 +232,8 @@ class LiveFeed:
         rate = self.latest[ranks[-1]].get(spec["throughput_key"])
         return {
             "loss": loss,
-            "step": f"dark: the step, light: its communication; last {SPLIT_WINDOW} steps "
-            f"communicating: {comm}"
+            "step": "dark: the step, light: its exposed communication (latest metered step); "
+            f"exposed share of a normal step: {comm}"
             + (f" (above {COMM_HEALTH:.0%}: worth a look)" if busy else ""),
             "throughput": "the whole run's rate, set by the slowest rank"
             + (f"; latest {rate:,.0f} {spec['throughput_key'][:-6]}/s" if rate else ""),

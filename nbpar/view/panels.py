@@ -9,7 +9,7 @@ live view draws in the browser instead (`nbpar.view.livechart`). ``groups`` is
 from __future__ import annotations
 
 from nbpar.estimate import format_bytes
-from nbpar.view.history import COMM_HEALTH, memory_parts, step_split, throughput
+from nbpar.view.history import COMM_HEALTH, comm_split, memory_parts, throughput
 from nbpar.view.live import global_loss, memory_key
 
 MEMORY_COLORS = {
@@ -18,7 +18,7 @@ MEMORY_COLORS = {
     "optimizer": "tab:green",
     "other": "0.75",
 }
-SPLIT_COLORS = {"comm": "tab:red", "compute": "tab:gray"}
+SPLIT_COLORS = {"exposed": "tab:red", "hidden": "#f4a6a6", "compute": "tab:gray"}
 
 
 def figure_png(figure) -> bytes:
@@ -136,43 +136,54 @@ class MemoryPanel:
 
 
 class SplitPanel:
-    """Compute vs communication share of the step per rank, with the 20% health line.
+    """A normal step per rank split into exposed communication, communication hidden by
+    compute, and compute alone, from the rank's latest metered step, with the 20% line.
 
-    Communication is the bottom segment, so a red bar above the dashed line means
-    this rank spends more than 20% of its step in collectives.
+    Exposed communication is the bottom segment, so a red bar above the dashed line means
+    this rank waits on collectives for more than 20% of its step (the rule of thumb is
+    about exposed time: overlapped communication costs nothing).
     """
 
     def __init__(self, ax, ranks, window: int = 10):
         self.ax, self.ranks, self.window = ax, list(ranks), window
         x = range(len(self.ranks))
-        self.comm = ax.bar(
-            x, [0] * len(self.ranks), color=SPLIT_COLORS["comm"], label="communication"
-        )
-        self.compute = ax.bar(
-            x, [0] * len(self.ranks), color=SPLIT_COLORS["compute"], label="compute"
-        )
+        labels = {
+            "exposed": "communication, exposed",
+            "hidden": "communication hidden by compute",
+            "compute": "compute only",
+        }
+        self.bars = {
+            part: ax.bar(x, [0] * len(self.ranks), color=color, label=labels[part])
+            for part, color in SPLIT_COLORS.items()
+        }
         self.health = ax.axhline(
-            COMM_HEALTH, ls="--", color="k", lw=1, label=f"{COMM_HEALTH:.0%} comm"
+            COMM_HEALTH, ls="--", color="k", lw=1, label=f"{COMM_HEALTH:.0%} exposed"
         )
         self.texts = [ax.text(i, 1.01, "", ha="center", va="bottom", fontsize="small") for i in x]
         ax.set_xticks(list(x), [f"rank {r}" for r in self.ranks])
-        ax.set_ylim(0, 1.3)
-        ax.set_ylabel("share of step time")
-        ax.set_title(f"step time split (mean of last {window} steps)", fontsize="medium")
-        ax.legend(fontsize="small", loc="upper center", ncols=3)
+        ax.set_ylim(0, 1.45)
+        ax.set_ylabel("share of a normal step")
+        ax.set_title("step time split (latest metered step)", fontsize="medium")
+        ax.legend(fontsize="small", loc="upper center", ncols=2)
 
-    def seconds(self, groups) -> dict[int, tuple[float, float]]:
-        """rank -> (compute_s, comm_s) as drawn."""
-        return {r: step_split(groups.get(r, []), self.window) for r in self.ranks}
+    def seconds(self, groups) -> dict[int, tuple[float, float, float]]:
+        """rank -> (exposed_s, hidden_s, step_s) as drawn."""
+        return {r: comm_split(groups.get(r, []), self.window) for r in self.ranks}
 
     def set(self, groups) -> None:
-        for i, (compute, comm) in enumerate(self.seconds(groups).values()):
-            total = compute + comm
-            comm_share = comm / total if total > 0 else 0.0
-            self.comm.patches[i].set_height(comm_share)
-            self.compute.patches[i].set_y(comm_share)
-            self.compute.patches[i].set_height(1.0 - comm_share if total > 0 else 0.0)
-            self.texts[i].set_text(f"{total:.3g} s" if total > 0 else "")
+        for i, (exposed, hidden, step) in enumerate(self.seconds(groups).values()):
+            shares = (exposed / step, hidden / step) if step > 0 else (0.0, 0.0)
+            heights = {
+                "exposed": shares[0],
+                "hidden": shares[1],
+                "compute": 1.0 - sum(shares) if step > 0 else 0.0,
+            }
+            bottom = 0.0
+            for part, height in heights.items():
+                self.bars[part].patches[i].set_y(bottom)
+                self.bars[part].patches[i].set_height(height)
+                bottom += height
+            self.texts[i].set_text(f"{step:.3g} s" if step > 0 else "")
 
 
 class ThroughputPanel:

@@ -155,8 +155,9 @@ def plot_memory(result_or_history, estimate=None, ax=None):
 
 
 def plot_step_split(run_or_history, ax=None, window: int | None = None):
-    """Compute vs communication share of the step per rank (mean over the last ``window``
-    steps, default all), with the 20% communication line."""
+    """A normal step per rank (median of the last ``window`` unmetered steps, default all)
+    split into exposed communication, communication hidden by compute and compute alone,
+    as the latest metered step measured them, with the 20% exposed line."""
     groups = by_rank(as_history(run_or_history))
     if window is None:
         window = max((len(v) for v in groups.values()), default=1)
