@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from nbpar.config import STRATEGIES
+from nbpar.strategies import BACKENDS, SCHEDULES, STRATEGIES
 
 
 class UsageError(Exception):
@@ -89,10 +89,10 @@ def build_parser() -> _Parser:
     # training flags default to None: what is not given comes from --deepspeed-config
     # when there is one, else from TrainConfig's defaults
     t.add_argument("--strategy", choices=STRATEGIES, default=None)
-    t.add_argument("--backend", choices=("torch", "deepspeed"), default=None)
+    t.add_argument("--backend", choices=BACKENDS, default=None)
     for dim in ("dp", "tp", "pp"):
         t.add_argument(f"--{dim}", type=_positive_int, default=None)
-    t.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default=None)
+    t.add_argument("--schedule", choices=SCHEDULES, default=None)
     t.add_argument(
         "--model",
         default=None,

@@ -13,28 +13,22 @@ import functools
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 
-from nbpar.parallel.mesh import (  # noqa: F401  (the rules are public here too)
-    INTERLEAVED_CHUNKS,
-    PIPELINE_SCHEDULES,
-    ParallelDims,
-    check_pipeline_schedule,
-    require_hybrid_degrees,
+from nbpar.parallel.mesh import ParallelDims
+from nbpar.strategies import (
+    BACKENDS,
+    DEFAULT_SCHEDULE,
+    OFFLOADS,
+    PIPELINED,
+    SCHEDULES,
+    STRATEGIES,
+    check_combination,
+    check_model_degrees,
+    resolve_degrees,
 )
 
-MODELS = ("simple_cnn", "tiny_gpt")
 DATASETS = {"simple_cnn": ("cifar10", "digits"), "tiny_gpt": ("pysource",)}
-STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "pipeline", "tp", "hybrid")
-BACKENDS = ("torch", "deepspeed")
-SCHEDULES = PIPELINE_SCHEDULES
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "adamw", "sgd")
-OFFLOADS = ("none", "optimizer", "params")
-DATA_PARALLEL = ("ddp", "zero1", "zero2", "zero3")
-PIPELINED = ("pipeline", "hybrid")
-DEEPSPEED_STRATEGIES = DATA_PARALLEL + PIPELINED
-GPT_ONLY = ("pipeline", "tp", "hybrid")
-DEFAULT_SCHEDULE = "1f1b"
-HEAD_WORDS = {"heads": "attention heads", "kv_heads": "key/value heads"}
 
 
 def _choice(name: str, value, allowed) -> None:
@@ -174,39 +168,11 @@ class TrainConfig:
         return self.fsdp_reshard if self.fsdp_reshard is not None else self.strategy == "zero3"
 
     def dims(self, world_size: int) -> ParallelDims:
-        """The validated (pp, dp, tp) topology for ``world_size`` engines."""
-        s, given = self.strategy, {k: getattr(self, k) for k in ("dp", "tp", "pp")}
-        if s == "single":
-            default = {}
-        elif s in DATA_PARALLEL:
-            # ZeRO/FSDP on dp combined with tensor parallel: zero3 with tp=2 on 8
-            # engines is dp=4 x tp=2 (torchtitan's FSDP + TP)
-            tp = given["tp"] if s.startswith("zero") and self.backend == "torch" else None
-            if tp is not None and (not isinstance(tp, int) or tp < 1 or world_size % tp):
-                raise ValueError(
-                    f"tp={tp!r} must be a positive divisor of the number of engines ({world_size})"
-                )
-            default = {"dp": world_size // (tp or 1), **({"tp": tp} if tp else {})}
-        elif s == "pipeline":
-            default = {"pp": world_size}
-        elif s == "tp":
-            default = {"tp": world_size}
-        else:  # hybrid
-            require_hybrid_degrees(s, **given)
-            default = {}
-        degrees = {k: given[k] if given[k] is not None else default.get(k, 1) for k in given}
-        if s != "hybrid":
-            for k, v in degrees.items():
-                if k not in default and v != 1:
-                    raise ValueError(
-                        f"strategy {s!r} does not split along {k} ({k}={v}); "
-                        f"use strategy 'hybrid' to combine dimensions"
-                    )
-        if s == "single" and world_size != 1:
-            raise ValueError(
-                f"strategy 'single' runs on exactly one engine, got world size {world_size}"
-            )
-        return ParallelDims(**degrees, world_size=world_size)
+        """The validated (pp, dp, tp) topology for ``world_size`` engines
+        (`nbpar.strategies.resolve_degrees`, with the splits this backend runs)."""
+        return resolve_degrees(
+            self.strategy, world_size, self.dp, self.tp, self.pp, backend=self.backend
+        )
 
     def global_batch(self, world_size: int) -> int:
         """Samples per optimizer step: micro_batch x grad_accum x dp."""
@@ -254,8 +220,8 @@ class TrainConfig:
                 f"text; it must be >= 256"
             )
         self._validate_optimizer()
-        self._validate_strategy()
-        self._validate_degrees(world_size)
+        check_combination(self)
+        check_model_degrees(self, world_size)
         if self.deepspeed_config is not None:
             self._validate_ds_config()
             if world_size is not None:
@@ -274,92 +240,6 @@ class TrainConfig:
 
             check_resume(self, world_size)
         return self
-
-    def _validate_strategy(self) -> None:
-        s, b = self.strategy, self.backend
-        if s not in PIPELINED and self.schedule != DEFAULT_SCHEDULE:
-            raise ValueError(
-                f"schedule={self.schedule!r} applies only to strategies pipeline and "
-                f"hybrid, not {s!r}"
-            )
-        if s in GPT_ONLY and self.model == "simple_cnn":
-            # hf:* and models declaring a parallel plan are split too (checked when built)
-            raise ValueError(
-                f"strategy {s!r} needs model 'tiny_gpt' (it splits transformer "
-                f"layers), got {self.model!r}"
-            )
-        if s in PIPELINED and b == "deepspeed" and self.model != "tiny_gpt":
-            raise ValueError(
-                f"a DeepSpeed pipeline runs model 'tiny_gpt' only; use "
-                f"backend='torch' for {self.model!r}"
-            )
-        if b == "deepspeed" and s not in DEEPSPEED_STRATEGIES:
-            raise ValueError(
-                f"backend 'deepspeed' supports strategies "
-                f"{', '.join(DEEPSPEED_STRATEGIES)}, not {s!r}"
-            )
-        if self.offload != "none":
-            if b != "deepspeed":
-                raise ValueError(f"offload={self.offload!r} needs backend='deepspeed'")
-            need = ("zero3",) if self.offload == "params" else ("zero1", "zero2", "zero3")
-            if s not in need:
-                raise ValueError(
-                    f"offload={self.offload!r} needs strategy {' or '.join(need)}, got {s!r}"
-                )
-        if self.precision == "fp16" and b != "deepspeed":
-            raise ValueError(
-                "precision='fp16' needs backend='deepspeed' (its loss scaler); "
-                "use 'bf16' or 'fp32' with backend='torch'"
-            )
-        if self.fsdp_reshard is not None and not (b == "torch" and s in ("zero2", "zero3")):
-            raise ValueError(
-                f"fsdp_reshard applies only to strategies zero2/zero3 with backend "
-                f"'torch', not {s!r}/{b!r}"
-            )
-        if self.deepspeed_config is not None and b != "deepspeed":
-            raise ValueError("deepspeed_config needs backend='deepspeed'")
-
-    def _validate_degrees(self, world_size: int | None) -> None:
-        for k in ("dp", "tp", "pp"):
-            v = getattr(self, k)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"{k} must be a positive integer or None, got {v!r}")
-        require_hybrid_degrees(self.strategy, self.dp, self.tp, self.pp)
-        if self.strategy == "single":
-            for k in ("dp", "tp", "pp"):
-                if getattr(self, k) not in (None, 1):
-                    raise ValueError(
-                        f"strategy 'single' requires dp=tp=pp=1, got {k}={getattr(self, k)}"
-                    )
-        if world_size is not None:
-            d = self.dims(world_size)
-            tp, pp = d.tp, d.pp
-        else:
-            tp, pp = self.tp or 1, self.pp or 1
-        from nbpar.train.registry import known_shape
-
-        layers, where = known_shape(self)
-        if self.model == "tiny_gpt" and tp > 1 and (self.gpt.n_heads % tp or self.gpt.d_model % tp):
-            raise ValueError(
-                f"tp={tp} must divide gpt.n_heads={self.gpt.n_heads} and "
-                f"gpt.d_model={self.gpt.d_model}"
-            )
-        if tp > 1 and where:  # a transformers family: heads from its config
-            from nbpar.train.hf import shape
-
-            for k in ("heads", "kv_heads"):
-                n = shape(self.model, self.model_config)[k]
-                if n % tp:
-                    raise ValueError(
-                        f"tp={tp} must divide the {HEAD_WORDS[k]} of {self.model} ({n})"
-                    )
-        if layers is not None and pp > layers:
-            raise ValueError(
-                f"pp={pp} pipeline stages need at least {pp} layers, "
-                f"{where or 'gpt.n_layers'}={layers}"
-            )
-        if self.strategy in PIPELINED and pp > 1 and layers is not None:
-            check_pipeline_schedule(self.schedule, pp, self.grad_accum, layers, self.backend)
 
     def _validate_optimizer(self) -> None:
         from nbpar.parallel.ds_config import OPTIMIZER_PARAMS
@@ -391,13 +271,10 @@ class TrainConfig:
                 f"deepspeed_config must be a dict or a JSON file path, "
                 f"got {self.deepspeed_config!r}"
             )
-        zero = self.deepspeed_config.get("zero_optimization") or {}
-        stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
-        if self.strategy in PIPELINED and stage in (2, 3):
-            raise ValueError(
-                f"DeepSpeed's PipelineModule supports ZeRO stage 0/1 only, "
-                f"deepspeed_config asks for stage {stage}"
-            )
+        if self.strategy in PIPELINED:
+            from nbpar.parallel.ds_config import check_pipeline_stage
+
+            check_pipeline_stage(self.deepspeed_config)
 
     def _fit_train_batch_size(self, world_size: int) -> None:
         """A config that gives ``train_batch_size`` without the micro-batch (or the

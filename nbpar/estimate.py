@@ -15,11 +15,10 @@ import math
 from dataclasses import dataclass
 from numbers import Integral, Real
 
-from nbpar.config import STRATEGIES, require_hybrid_degrees
+from nbpar.strategies import OFFLOADS, STRATEGIES, resolve_degrees
 
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}  # fp32 tensors/param
 PRECISIONS = {"fp32": "fp32", "mixed": "mixed", "bf16": "mixed", "fp16": "mixed"}
-OFFLOADS = ("none", "optimizer", "params")
 ACTIVATION_KEYS = ("batch", "seq_len", "hidden", "layers", "heads")
 ZERO_NAMES = ("baseline", "P_os", "P_os+g", "P_os+g+p")  # ZeRO paper, Fig. 1 columns
 GB = 1e9  # tables use decimal GB, as the papers do: 13e9 fp32 params = 52 GB
@@ -34,7 +33,6 @@ def format_bytes(n: float) -> str:
 
 
 _ZERO_STAGE = {"zero1": 1, "zero2": 2, "zero3": 3}
-_OWN_DIM = {"ddp": "dp", "zero1": "dp", "zero2": "dp", "zero3": "dp", "pipeline": "pp", "tp": "tp"}
 _MEASURED = {"params": "param_bytes", "grads": "grad_bytes", "optim": "optim_bytes"}
 
 
@@ -56,37 +54,6 @@ def bytes_per_param(optimizer: str = "adam", precision: str = "fp32") -> tuple[i
     if PRECISIONS[_choice("precision", precision, PRECISIONS)] == "fp32":
         return 4, 4, states
     return 2, 2, 4 + states  # the optimizer also keeps the fp32 master weights
-
-
-def resolve_degrees(strategy: str, world_size: int, dp=None, tp=None, pp=None):
-    """(dp, tp, pp) as the CLI fills them: the strategy's own degree takes what the others leave."""
-    world_size = _int("world_size", world_size)
-    given = {
-        k: (None if v is None else _int(k, v)) for k, v in (("dp", dp), ("tp", tp), ("pp", pp))
-    }
-    if strategy == "single":
-        if world_size != 1 or any(v not in (None, 1) for v in given.values()):
-            raise ValueError(
-                f"Strategy 'single' runs on one rank: world_size and dp/tp/pp must "
-                f"be 1, got world_size={world_size}, {given}."
-            )
-        return 1, 1, 1
-    require_hybrid_degrees(strategy, **given)
-    own = _OWN_DIM.get(strategy)
-    if own is not None and given[own] is None:
-        others = math.prod(v or 1 for k, v in given.items() if k != own)
-        if world_size % others:
-            raise ValueError(
-                f"world_size={world_size} is not divisible by the given degrees "
-                f"(product {others}) for strategy {strategy!r}."
-            )
-        given[own] = world_size // others
-    dp, tp, pp = (given[k] or 1 for k in ("dp", "tp", "pp"))
-    if dp * tp * pp != world_size:
-        raise ValueError(
-            f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} must equal world_size={world_size}."
-        )
-    return dp, tp, pp
 
 
 def activation_bytes_per_layer(
@@ -209,7 +176,8 @@ def estimate_memory(
     _choice("strategy", strategy, STRATEGIES)
     _choice("offload", offload, OFFLOADS)
     p_b, g_b, o_b = bytes_per_param(optimizer, precision)
-    dp, tp, pp = resolve_degrees(strategy, world_size, dp, tp, pp)
+    dims = resolve_degrees(strategy, world_size, dp, tp, pp)
+    dp, tp, pp = dims.dp, dims.tp, dims.pp
     stage = _ZERO_STAGE.get(strategy, 0)
     if offload == "params" and stage != 3:
         raise ValueError(

@@ -56,7 +56,7 @@ CONFIG_CASES = [
             backend="deepspeed",
             deepspeed_config={"zero_optimization": {"stage": 3}},
         ),
-        "stage 0/1",
+        "stage 0 or 1",
     ),
     (dict(strategy="hybrid", dp=2, tp=2), r"dp\*tp\*pp"),
     (dict(strategy="pipeline", gpt=GPTConfig(n_layers=1)), "need at least 2 layers"),

@@ -36,7 +36,7 @@ BAD = [
             deepspeed_config={"zero_optimization": {"stage": 2}},
         ),
         2,
-        "DeepSpeed's PipelineModule supports ZeRO stage 0/1 only",
+        "DeepSpeed's PipelineModule supports ZeRO stage 0 or 1 only",
     ),
     (
         dict(strategy="ddp", backend="torch", deepspeed_config={}),
@@ -106,7 +106,7 @@ def test_valid_deepspeed_and_pipeline_configs_pass(tmp_path, half_precision):
     )
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
-    with pytest.raises(ValueError, match="supports ZeRO stage 0/1 only"):
+    with pytest.raises(ValueError, match="supports ZeRO stage 0 or 1 only"):
         TrainConfig(strategy="pipeline", backend="deepspeed", deepspeed_config=str(path)).validate(
             2
         )

@@ -291,15 +291,9 @@ def initialize(model, config: dict, mesh=None):
     config = dict(config)
     section = config.pop("optimizer")
     opt = client_optimizer(section, [p for p in model.parameters() if p.requires_grad])
-    mpu = None
-    if mesh is not None:
-        if mesh["pp"].size() > 1:
-            raise ValueError(
-                "the DeepSpeed ZeRO engine does not run pipeline stages; "
-                "use strategy='pipeline' with backend='deepspeed' for pp > 1"
-            )
-        if mesh["dp"].size() != mesh.size():
-            mpu = MeshMPU(mesh)
+    mpu = None  # (no pipeline stages here: `nbpar.strategies.splits`)
+    if mesh is not None and mesh["dp"].size() != mesh.size():
+        mpu = MeshMPU(mesh)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=opt, config=config, mpu=mpu, dist_init_required=False
     )
@@ -311,11 +305,6 @@ def build_runner(model, cfg, mesh, loss=None) -> DeepSpeedRunner:
 
     ``loss`` defaults to ``nbpar.train.models.loss_fn(cfg)``.
     """
-    if cfg.strategy not in ("ddp", "zero1", "zero2", "zero3"):
-        raise ValueError(
-            f"the DeepSpeed ZeRO runner takes strategy ddp, zero1, zero2 or "
-            f"zero3, got {cfg.strategy!r}"
-        )
     config = ds_config_for(cfg, mesh["dp"].size())
     if loss is None:
         from nbpar.train.models import loss_fn

@@ -15,6 +15,8 @@ import copy
 import difflib
 import json
 
+from nbpar.strategies import PIPELINED
+
 # Top-level keys of DeepSpeed's documented config (deepspeed.ai/docs/config-json,
 # runtime/config.py of deepspeed 0.19).
 TOP_LEVEL_KEYS = (
@@ -142,6 +144,7 @@ ZERO_KEYS = (
 )
 
 OFFLOAD_DEVICES = ("cpu", "nvme", "none")
+PIPELINE_ZERO_STAGES = (0, 1)
 STAGE_OF = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 STRATEGY_OF_STAGE = {v: k for k, v in STAGE_OF.items()}
 # DeepSpeed optimizer types nbpar runs as a client torch optimizer (no compiled ops).
@@ -447,6 +450,18 @@ def _no_auto_left(d, where: str = "") -> None:
             _no_auto_left(value, f"{where}{key}.")
 
 
+def check_pipeline_stage(ds_config: dict) -> int:
+    """The ZeRO stage ``ds_config`` asks of DeepSpeed's PipelineModule: 0 or 1 only
+    (stage 2/3 would shard gradients that the pipeline still accumulates)."""
+    zero = ds_config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    if stage not in PIPELINE_ZERO_STAGES:
+        raise ValueError(
+            f"DeepSpeed's PipelineModule supports ZeRO stage 0 or 1 only (got stage {stage})"
+        )
+    return stage
+
+
 def ds_config_for(cfg, dp_size: int) -> dict:
     """The DeepSpeed config for ``cfg`` (a TrainConfig) on ``dp_size`` dp ranks.
 
@@ -461,17 +476,13 @@ def ds_config_for(cfg, dp_size: int) -> dict:
     # micro-batches in flight, which is TrainConfig.grad_accum there too
     _agree(d, "gradient_accumulation_steps", cfg.grad_accum, "gradient_accumulation_steps")
     _agree(d, "train_batch_size", cfg.micro_batch * cfg.grad_accum * dp_size, "train_batch_size")
-    pipelined = cfg.strategy in ("pipeline", "hybrid")
     zero = d.setdefault("zero_optimization", {})
     _legacy_offload(zero)
     if cfg.strategy in STAGE_OF:
         _agree(zero, "stage", STAGE_OF[cfg.strategy], "zero_optimization.stage")
     stage = zero.setdefault("stage", 0)
-    if pipelined and stage >= 2:
-        raise ValueError(
-            f"DeepSpeed's PipelineModule supports ZeRO stage 0 or 1 only, "
-            f"deepspeed_config asks for stage {stage}"
-        )
+    if cfg.strategy in PIPELINED:
+        check_pipeline_stage(d)
     for key in AUTO_SIZES:
         if zero.get(key) == "auto":
             del zero[key]

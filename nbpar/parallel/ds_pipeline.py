@@ -17,8 +17,6 @@ from nbpar.parallel.ds_config import ds_config_for
 from .deepspeed import client_optimizer, import_deepspeed, release
 from .runner import StepRunner
 
-PIPELINE_ZERO_STAGES = (0, 1)
-
 
 class Embedding(nn.Module):
     """Stage-0 layer: token ids (b, s) -> token + position embeddings (b, s, d)."""
@@ -48,47 +46,14 @@ def pipeline_layers(model: nn.Module) -> list[nn.Module]:
     return [Embedding(model.tok_emb, model.pos_emb), *blocks, Head(model.norm, model.head)]
 
 
-def zero_stage(cfg) -> int:
-    """The ZeRO stage asked for, validated against the pipeline engine's limit."""
-    stage = ((cfg.deepspeed_config or {}).get("zero_optimization") or {}).get("stage", 0)
-    if cfg.strategy in ("zero1", "zero2", "zero3"):
-        stage = int(cfg.strategy[-1])
-    if stage not in PIPELINE_ZERO_STAGES:
-        raise ValueError(
-            f"DeepSpeed's PipelineModule supports ZeRO stage 0 or 1 only (got stage {stage})"
-        )
-    return stage
-
-
 def ds_config(cfg, dp: int) -> dict:
     """The DeepSpeed config of a pipeline run: the one every DeepSpeed run gets
-    (`nbpar.parallel.ds_config.ds_config_for`), on ZeRO stage 0 or 1."""
-    zero_stage(cfg)
-    if cfg.precision == "fp16":
-        raise ValueError("DeepSpeed pipeline runs here in precision fp32 or bf16, got 'fp16'")
+    (`nbpar.parallel.ds_config.ds_config_for`, which holds it to ZeRO stage 0 or 1).
+    What else the PipelineModule runs (tiny_gpt, 1F1B, fp32/bf16, no tp) is
+    `nbpar.strategies`' rule, checked with the TrainConfig."""
     config = ds_config_for(cfg, dp)
     config.setdefault("wall_clock_breakdown", False)
     return config
-
-
-def validate(cfg, mesh, n_layers: int) -> None:
-    """Raise ValueError for what DeepSpeed's pipeline engine cannot run."""
-    zero_stage(cfg)
-    pp, tp = mesh["pp"].size(), mesh["tp"].size()
-    if tp != 1:
-        raise ValueError(
-            f"the DeepSpeed pipeline backend has no tensor parallelism (tp={tp}); "
-            f"use backend 'torch' with strategy 'hybrid'"
-        )
-    if pp > n_layers + 2:
-        raise ValueError(
-            f"cannot cut {n_layers + 2} pipeline layers (embedding, {n_layers} "
-            f"blocks, head) into pp={pp} stages"
-        )
-    if cfg.schedule != "1f1b":
-        raise ValueError(
-            f"DeepSpeed's pipeline engine runs only the 1f1b schedule, got {cfg.schedule!r}"
-        )
 
 
 class DeepSpeedPipelineRunner(StepRunner):
@@ -123,7 +88,6 @@ class DeepSpeedPipelineRunner(StepRunner):
 
 def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> DeepSpeedPipelineRunner:
     """DeepSpeed PipelineModule + engine for ``model`` over all ranks of ``mesh``."""
-    validate(cfg, mesh, len(model.layers))
     deepspeed = import_deepspeed()  # CPU-safe: no C++ build, no linker noise
     from deepspeed.pipe import PipelineModule
 

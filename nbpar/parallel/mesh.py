@@ -12,48 +12,6 @@ from dataclasses import dataclass
 MESH_DIMS = ("pp", "dp", "tp")
 
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
-
-
-def require_hybrid_degrees(strategy: str, dp, tp, pp) -> None:
-    """The one rule: a hybrid layout cannot be guessed, its degrees must be given."""
-    if strategy == "hybrid" and dp is None and tp is None and pp is None:
-        raise ValueError(
-            "strategy 'hybrid' needs explicit degrees: set at least two of dp, "
-            "tp and pp so that dp x tp x pp equals the number of engines"
-        )
-
-
-INTERLEAVED_CHUNKS = 2  # model chunks per rank in the interleaved 1F1B schedule
-
-
-def check_pipeline_schedule(
-    schedule: str, pp: int, micro_batches: int, n_layers: int, backend: str = "torch"
-) -> int:
-    """The one rule for a pipeline's schedule; returns the model chunks per rank.
-
-    1F1B and interleaved keep at most pp micro-batches in flight, so they need at
-    least pp of them (DeepSpeed's engine runs any number); every stage needs a layer.
-    """
-    if schedule not in PIPELINE_SCHEDULES:
-        raise ValueError(
-            f"schedule={schedule!r} is not supported; choose one of {', '.join(PIPELINE_SCHEDULES)}"
-        )
-    if backend == "torch" and schedule != "gpipe" and micro_batches < pp:
-        raise ValueError(
-            f"schedule {schedule!r} needs at least as many micro-batches "
-            f"(grad_accum={micro_batches}) as pipeline stages (pp={pp}); "
-            f"raise grad_accum or use schedule='gpipe'"
-        )
-    virtual = INTERLEAVED_CHUNKS if schedule == "interleaved" else 1
-    if pp * virtual > n_layers:
-        raise ValueError(
-            f"schedule {schedule!r} with pp={pp} needs {pp * virtual} "
-            f"layers, gpt.n_layers={n_layers}"
-        )
-    return virtual
-
-
 @dataclass(kw_only=True)
 class ParallelDims:
     """Degrees of each parallel dimension; ``dp * tp * pp == world_size``."""

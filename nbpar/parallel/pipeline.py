@@ -24,7 +24,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-from nbpar.parallel.mesh import check_pipeline_schedule
+from nbpar.strategies import check_pipeline_schedule
 from nbpar.train import timeline as _timeline
 from nbpar.train.plan import plan_of, require
 
@@ -91,11 +91,9 @@ def split_stages(model: nn.Module, pp_rank: int, pp_size: int, virtual: int = 1)
 
 
 def validate(cfg, pp: int, n_layers: int) -> int:
-    """Check the schedule against pp and the model; return chunks per rank."""
-    virtual = check_pipeline_schedule(cfg.schedule, pp, cfg.grad_accum, n_layers)
-    if cfg.precision == "fp16":
-        raise ValueError("pipeline training supports precision fp32 or bf16, got 'fp16'")
-    return virtual
+    """Check the schedule against pp and the model as built (a factory model's layers
+    are known only here); return chunks per rank."""
+    return check_pipeline_schedule(cfg.schedule, pp, cfg.grad_accum, n_layers)
 
 
 class TimedStage(PipelineStage):

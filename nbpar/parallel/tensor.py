@@ -21,9 +21,6 @@ from nbpar.train.plan import check_tp_degree, require
 
 from .runner import StepRunner, local_tensor
 
-HANDLES = ("tp", "ddp", "zero1", "zero2", "zero3")  # tp x (none, or this dp flavour)
-PRECISIONS = ("fp32", "bf16")
-
 
 def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return list(require(model, "tensor").layers.items())
@@ -129,20 +126,6 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> StepRunner:
     """
     from nbpar.parallel import autocast_dtype, make_optimizer, model_device_type
 
-    if cfg.strategy not in HANDLES:
-        raise ValueError(
-            f"tensor-parallel runner handles strategies {HANDLES}, got {cfg.strategy!r}"
-        )
-    if cfg.precision not in PRECISIONS:
-        raise ValueError(
-            f"precision={cfg.precision!r} with tensor parallelism is not "
-            f"supported; use fp32 or bf16"
-        )
-    if mesh["pp"].size() != 1:
-        raise ValueError(
-            f"the tensor-parallel runner needs pp = 1, got pp = "
-            f"{mesh['pp'].size()}; pipeline x tensor is strategy 'hybrid'"
-        )
     if loss_fn is None:
         from nbpar.train.models import loss_fn as model_loss
 

@@ -18,8 +18,6 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from nbpar.parallel.ddp import DDPRunner
 from nbpar.parallel.runner import StepRunner, optimizer_state_tensors, tensor_bytes
 
-TORCH_PRECISIONS = ("fp32", "bf16")
-
 
 def model_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks to shard one by one: the model's declared plan
@@ -151,21 +149,6 @@ class FSDPRunner(StepRunner):
         super().close()
 
 
-def _check(cfg) -> None:
-    if cfg.strategy not in ("zero1", "zero2", "zero3"):
-        raise ValueError(f"torch ZeRO runs strategy zero1, zero2 or zero3, got {cfg.strategy!r}")
-    if cfg.precision not in TORCH_PRECISIONS:
-        raise ValueError(
-            f"precision={cfg.precision!r} with backend='torch' ZeRO is not "
-            f"supported; use fp32 or bf16 (fp16 needs backend='deepspeed')"
-        )
-    from nbpar.parallel import optimizer_spec
-
-    optimizer_spec(cfg)  # an unknown optimizer fails here, before any group is touched
-    if cfg.offload != "none":
-        raise ValueError(f"offload={cfg.offload!r} needs backend='deepspeed'")
-
-
 def build_runner(model, cfg, mesh, loss=None) -> StepRunner:
     """The runner of torch ZeRO ``cfg.strategy`` over ``mesh["dp"]``.
 
@@ -173,7 +156,6 @@ def build_runner(model, cfg, mesh, loss=None) -> StepRunner:
     """
     from nbpar.parallel import autocast_dtype, make_optimizer, model_device_type, optimizer_spec
 
-    _check(cfg)
     if loss is None:
         from nbpar.train.models import loss_fn
 

@@ -7,9 +7,7 @@
 
 from __future__ import annotations
 
-import json
-
-STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "tp", "pipeline", "hybrid")
+from nbpar.strategies import STRATEGIES, resolve_degrees
 
 
 def add_parser(sub, positive_int, positive_float) -> None:
@@ -59,26 +57,17 @@ def add_parser(sub, positive_int, positive_float) -> None:
 
 def config(args):
     """The TrainConfig the flags describe (validated by the simulation itself)."""
-    from nbpar.config import GPTConfig, TrainConfig
+    from nbpar.config import GPTConfig, TrainConfig, model_config_fields
 
     extra = {}
     if args.model_config is not None:
-        try:
-            sizes = json.loads(args.model_config)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"--model-config is not JSON: {err}") from None
-        if not isinstance(sizes, dict):
-            raise ValueError(f"--model-config must be a JSON object, got {sizes!r}")
-        if args.model == "tiny_gpt":
-            try:
-                extra["gpt"] = GPTConfig(**sizes)
-            except TypeError as err:
-                raise ValueError(f"--model-config: {err}") from None
-        else:
-            extra["model_config"] = sizes
+        extra.update(model_config_fields(args.model, args.model_config))
     if args.seq_len is not None:
         extra.setdefault("gpt", GPTConfig()).seq_len = args.seq_len
-    pp = args.pp or (args.world_size if args.strategy == "pipeline" else 1)
+    try:  # a pipeline keeps pp micro-batches in flight: by default as many as stages
+        pp = resolve_degrees(args.strategy, args.world_size, args.dp, args.tp, args.pp).pp
+    except ValueError:
+        pp = 1  # the simulation refuses these degrees, in the config's words
     if args.schedule is not None:
         extra["schedule"] = args.schedule
     if args.fsdp_reshard is not None:
