@@ -149,3 +149,34 @@ def test_to_wandb_explains_what_is_missing(monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     with pytest.raises(RuntimeError, match="wandb login"):
         to_wandb([])
+
+
+def test_wandb_rows_one_row_per_step_every_rank_in_it():
+    from nbpar.view.export import wandb_rows
+
+    hist = history(3, tokens=False)
+    rows = wandb_rows(list(reversed(hist)))  # records in any order
+    assert list(rows) == [0, 1, 2]
+    for rec in hist:
+        row = rows[rec["step"]]
+        assert row[f"rank{rec['rank']}/loss"] == rec["loss"]
+        assert row[f"rank{rec['rank']}/memory/param_bytes"] == rec["param_bytes"]
+    assert not any(k.endswith("tokens_per_s") for k in rows[0])  # None values are left out
+
+
+def test_to_wandb_offline_writes_a_local_run(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")  # the monitor extra installs it
+    for var in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path))
+    monkeypatch.setenv("WANDB_MODE", "offline")  # no account, no network
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    from nbpar.view.export import to_wandb
+
+    try:
+        wb = to_wandb(FakeRun(history=history(3)), project="test", dir=str(tmp_path))
+    finally:
+        wandb.teardown()
+    assert wb.offline and wb.project == "test"
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("run-*.wandb"))

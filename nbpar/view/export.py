@@ -72,21 +72,27 @@ def to_wandb(run_or_history, *, project: str = "nbpar", **init_kwargs):
             "wandb is installed but not configured: run `wandb login`, set "
             "WANDB_API_KEY, or set WANDB_MODE=offline"
         )
-    history = as_history(run_or_history)
+    rows = wandb_rows(run_or_history)
     config = getattr(getattr(run_or_history, "cfg", None), "to_dict", dict)()
     wb = wandb.init(project=project, config=config, **init_kwargs)
     try:
-        steps = sorted({rec["step"] for rec in history})
-        per_step = {s: {} for s in steps}
-        for rec in history:
-            for tag, key in SCALARS.items():
-                if rec.get(key) is not None:
-                    per_step[rec["step"]][f"rank{rec['rank']}/{tag}"] = rec[key]
-        for s in steps:
-            wb.log(per_step[s], step=s)
+        for step, row in rows.items():
+            wb.log(row, step=step)
     finally:
         wb.finish()
     return wb
+
+
+def wandb_rows(run_or_history) -> dict[int, dict[str, float]]:
+    """What `to_wandb` logs: {step: {"rank{r}/{tag}": value}} in step order, every
+    scalar of `SCALARS` that the step's records hold."""
+    rows: dict[int, dict[str, float]] = {}
+    for rec in as_history(run_or_history):
+        row = rows.setdefault(rec["step"], {})
+        for tag, key in SCALARS.items():
+            if rec.get(key) is not None:
+                row[f"rank{rec['rank']}/{tag}"] = rec[key]
+    return dict(sorted(rows.items()))
 
 
 class PrometheusExporter:
