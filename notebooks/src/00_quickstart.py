@@ -20,6 +20,10 @@
 # `torch.distributed` process group (gloo on CPU, nccl with one engine per GPU).
 # `%%dist` then runs a cell on every rank; the output of each rank is grouped under
 # `[rank N]`, in rank order.
+#
+# **Goal:** start a pool, run one collective on every rank and read its grouped output,
+# pick ranks with `--targets`, see how a failure on one rank comes back, and ask the
+# pool what its engines are doing.
 
 # %%
 import nbpar
@@ -72,3 +76,17 @@ if dist.get_rank() == 1:
 
 # %%
 pool.shutdown()
+
+# %% [markdown]
+# **Takeaway.**
+#
+# - `nbpar.Pool(2)` gave two engines in one gloo process group; the `all_reduce` cell
+#   printed the same sum on both ranks.
+# - Each rank's output comes back under `[rank N]`, in rank order, however fast the
+#   ranks were.
+# - Engines keep their variables between cells, like a kernel: `--targets 1` ran on rank
+#   1 alone and still saw `t`.
+# - A failure on one rank came back as a `RankError` naming that rank, with its own
+#   traceback.
+# - `pool.status()` told each rank's device and state without interrupting it;
+#   `pool.shutdown()` ends the engines.

@@ -20,6 +20,10 @@
 # every layer and needs the fastest links), pipeline stages across nodes (only
 # activations at stage boundaries cross the network), and data parallelism (with ZeRO)
 # over whatever is left. A **device mesh** names each rank's place in that grid.
+#
+# **Goal:** see how a device mesh names each rank's place in a dp x tp x pp grid and
+# which ranks talk to whom, use the estimator to choose a combination from 1B to 175B
+# parameters, and run two 4-engine hybrids that compute the same losses.
 
 # %%
 # %matplotlib inline
@@ -195,3 +199,18 @@ nbpar.view.plots.plot_loss_difference(pptp_losses, ppdp_losses,
 
 # %%
 pool.shutdown()
+
+# %% [markdown]
+# **Takeaway.**
+#
+# - `ParallelDims` refuses degrees that do not multiply to the world size and lays out
+#   tp fastest, so a tensor-parallel group is neighbouring ranks (one node on GPUs); the
+#   4-engine mesh printed each rank's tp and dp group.
+# - The estimator's tables give the rule by scale: data parallelism with ZeRO-1 for a
+#   few billion parameters, TP inside the node and ZeRO-3 across nodes for tens of
+#   billions, pipeline stages added for hundreds of billions.
+# - At GPT-3 size activations, not model states, fill the GPU; sequence parallelism and
+#   activation checkpointing move them the most, and checkpointing's saving was measured
+#   on the tiny model.
+# - pp x dp and pp x tp on 4 engines trained to the same losses while each rank held a
+#   different part of the model.

@@ -23,6 +23,8 @@
 # 3. **Communication eating the step**: if communication that compute does not hide
 #    takes more than ~20% of the step, the extra ranks buy little. Measured per run as
 #    `exposed_comm_fraction`.
+#
+# **Goal:** produce each pitfall on the pool, measure it, and watch its fix work.
 
 # %%
 # %matplotlib inline
@@ -226,3 +228,18 @@ nbpar.compare([run_latency, run_compute], labels=["accum 1", "accum 16"])
 
 # %%
 pool.shutdown()
+
+# %% [markdown]
+# **Takeaway.**
+#
+# - A global batch of 2 made the loss jump from step to step; accumulating 16
+#   micro-batches smoothed it (the printed roughness) with one all-reduce per optimizer
+#   step, and the accumulated gradient equals the big batch's exactly.
+# - Accumulation is not free in memory: it raised the measured peak under DDP and
+#   ZeRO-3, but by less than the same samples as one micro-batch.
+# - A loader that decodes in Python starves the loop; workers, persistent workers with
+#   prefetching, and above all a packed memory-mapped file raised the throughput (a
+#   timing: the order matters, not the numbers).
+# - With a 1-sample micro-batch the step was mostly all-reduce; above ~20% exposed
+#   communication, give each rank more work per all-reduce, overlap it with backward, or
+#   use faster links.

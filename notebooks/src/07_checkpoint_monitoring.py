@@ -22,6 +22,10 @@
 # the data loader was. This notebook kills a rank mid-run, resumes, and checks the
 # resumed losses against a run that never stopped; then it exports one consolidated
 # state dict and TensorBoard logs.
+#
+# **Goal:** checkpoint a run, kill a rank mid-run, resume on fresh engines and prove the
+# result equal, bit for bit, to a run that never stopped; then load the checkpoint into
+# another layout and export the metrics.
 
 # %%
 # %matplotlib inline
@@ -197,3 +201,15 @@ board.figure
 
 # %%
 pool.shutdown()
+
+# %% [markdown]
+# **Takeaway.**
+#
+# - Every save is written by all ranks and made visible only when complete, so killing a
+#   rank mid-run left the last complete checkpoints and the `latest` pointer.
+# - After `pool.restart()`, resuming from the checkpoint gave the uninterrupted run's
+#   losses, and the merged final weights were equal bit for bit.
+# - The DDP checkpoint resumed as ZeRO-3 (`torch.distributed.checkpoint` reshards on
+#   load) and merged into one state dict that loads into a plain model.
+# - The same step records become TensorBoard events, one folder per rank, and the run's
+#   dashboard.

@@ -26,6 +26,10 @@
 # tensor-parallel group holds the same, each pipeline stage differs.
 #
 # Sizes print in decimal GB, as the papers' tables do.
+#
+# **Goal:** answer questions about hardware you do not have with the real strategy code:
+# does a 13B model fit, what does fit beside it, the ZeRO paper's table by simulation,
+# and a 70B layout on 1,024 ranks.
 
 # %%
 import json
@@ -135,3 +139,17 @@ for r in recorded["rows"]:
 # the most activations: under 1F1B stage i holds p - i micro-batches at once. Every stage
 # peaks under 80 GB. Sharding over dp as well (`fsdp_reshard=True`, ZeRO-3 on each stage)
 # would divide the states by another 32.
+
+# %% [markdown]
+# **Takeaway.**
+#
+# - Fake tensors and a fake process group ran the real strategy code at sizes this
+#   machine cannot hold: the simulated 13B states matched the estimate and did not fit
+#   80 GB, while ZeRO-3 on 8 ranks did.
+# - By simulation, the ZeRO paper's baseline and P_os+g+p came out as in the paper;
+#   PyTorch's ZeRO-1 held more than P_os (autocast keeps fp32 weights and gradients) and
+#   FSDP2's ZeRO-2 less than P_os+g between steps.
+# - The recorded 70B layout (dp 32 x tp 8 x pp 4) peaked under 80 GB on every stage, the
+#   first stage holding the most activations, as 1F1B predicts.
+# - A simulation answers whether a layout fits and what it sends before any cluster time
+#   is spent.
