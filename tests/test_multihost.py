@@ -63,7 +63,7 @@ class Hosts:
     def start_controller(self):
         import ipyparallel as ipp
 
-        from nbpar.pool.pool import CONTROLLER_ARGS
+        from nbpar.pool.startup import CONTROLLER_ARGS
 
         self.cluster = ipp.Cluster(
             n=0, controller_ip=HOST_IP, log_level=40, controller_args=list(CONTROLLER_ARGS)

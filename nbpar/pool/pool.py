@@ -8,22 +8,15 @@ to one process group: gloo on CPU, nccl with one engine per GPU.
 from __future__ import annotations
 
 import atexit
-import logging
-import os
-import socket
-import time
 import weakref
 
 from nbpar import device
 from nbpar.errors import PoolError
-from nbpar.pool.engines import EngineSets
-from nbpar.pool.launchers import LAUNCHER_NEEDS  # noqa: F401
-from nbpar.pool.launchers import check_launcher as _check_launcher
+from nbpar.pool import startup
+from nbpar.pool.launchers import check_launcher
 
-#: Faster than ipyparallel's defaults: engines register within ~0.2 s of
-#: starting (the default 3 s heartbeat period made registration take ~6 s); a
-#: dead engine is still only declared after 10 s without heartbeats.
-CONTROLLER_ARGS = ["--HeartMonitor.period=200", "--HeartMonitor.max_heartmonitor_misses=50"]
+# The process-wide registry of pools (the kernel's): every pool not shut down, and the
+# one `%%dist` runs on. Module globals, so a re-run cell finds and replaces the pool.
 _live: weakref.WeakSet[Pool] = weakref.WeakSet()
 _current: weakref.ref[Pool] | None = None
 
@@ -36,29 +29,6 @@ def current() -> Pool:
             "no pool is running: start one with `pool = nbpar.Pool(2)` (or `%dist start 2`)"
         )
     return pool
-
-
-def _check_n(n) -> int:
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise ValueError(f"Pool size must be a positive integer, got {n!r}")
-    if n < 1:
-        raise ValueError(f"Pool size must be at least 1, got {n}")
-    return n
-
-
-def _check_port(port, ip: str) -> None:
-    if port is None:
-        return
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-        raise ValueError(f"port must be an integer in 1..65535, got {port!r}")
-    with socket.socket() as s:
-        try:
-            s.bind((ip if ip not in ("*", "0.0.0.0", "") else "", port))
-        except OSError:
-            raise ValueError(
-                f"port {port} is already in use on this host; pass another "
-                f"port or leave port=None to pick a free one"
-            ) from None
 
 
 class Pool:
@@ -99,8 +69,8 @@ class Pool:
             backend = device.default_backend(n_gpus)
         if backend not in device.BACKENDS:
             raise ValueError(f"backend must be one of {device.BACKENDS}, got {backend!r}")
-        n = _check_n(n if n is not None else (n_gpus or 2))
-        _check_launcher(launcher)
+        n = startup.check_size(n if n is not None else (n_gpus or 2))
+        check_launcher(launcher)
         if backend == "nccl" and launcher == "local" and n > n_gpus:
             raise ValueError(
                 f"{n} GPU engines asked for but this machine has {n_gpus} "
@@ -109,7 +79,7 @@ class Pool:
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout must be positive seconds or None, got {timeout!r}")
         env = {str(k): str(v) for k, v in (env or {}).items()}
-        _check_port(port, ip)
+        startup.check_port(port, ip)
         if restart not in (None, "auto"):
             raise ValueError(f"restart must be None or 'auto', got {restart!r}")
         self.auto_restart = restart == "auto"
@@ -125,10 +95,11 @@ class Pool:
         self.owned = True
         self.closed = False
         self.engines: list[dict] = []
-        self._cluster_kwargs = cluster_kwargs
         self._init_requests()
         try:
-            self._start_cluster()
+            self.cluster, self.client, self._engine_ids, self._sets = startup.start_cluster(
+                n, launcher, ip, start_timeout, env, **cluster_kwargs
+            )
             self._rendezvous()
         except BaseException:
             self.shutdown()
@@ -164,7 +135,7 @@ class Pool:
         self.pg_timeout = kwargs.pop("pg_timeout", 300.0)
         self.start_timeout = kwargs.pop("start_timeout", 120.0)
         self.env = {str(k): str(v) for k, v in kwargs.pop("env", {}).items()}
-        self.ip, self.port, self.engines, self._cluster_kwargs = "127.0.0.1", None, [], {}
+        self.ip, self.port, self.engines = "127.0.0.1", None, []
         self._init_requests()
         client_kwargs = dict(kwargs)
         if url_file:
@@ -177,7 +148,7 @@ class Pool:
         try:
             if n is not None:
                 self.client.wait_for_engines(
-                    _check_n(n), timeout=self.start_timeout, interactive=False
+                    startup.check_size(n), timeout=self.start_timeout, interactive=False
                 )
             self.n = n or len(self.client.ids)
             if self.n < 1:
@@ -190,32 +161,6 @@ class Pool:
         self.activate()
         return self
 
-    def _start_cluster(self):
-        import ipyparallel as ipp
-
-        from nbpar.pool import launchers
-
-        kwargs = dict(
-            n=self.n,
-            engines=self.launcher,
-            controller_ip=self.ip,
-            delay=0,
-            controller_args=list(CONTROLLER_ARGS),
-            log_level=40,
-            engine_timeout=int(self.start_timeout),
-        )
-        kwargs.update(self._cluster_kwargs)
-        self.cluster = cluster = ipp.Cluster(**kwargs)
-        launchers.configure(cluster, self.launcher, self.n, self.env)
-        cluster.start_cluster_sync()
-        if cluster.cluster_file and os.path.exists(cluster.cluster_file):
-            os.chmod(cluster.cluster_file, 0o600)  # connection details: the owner's only
-        self.client = cluster.connect_client_sync()
-        # no progress bar: notebook outputs must stay stable
-        self.client.wait_for_engines(self.n, timeout=self.start_timeout, interactive=False)
-        self._engine_ids = sorted(self.client.ids)[: self.n]
-        self._sets = EngineSets(cluster, self.n, self.launcher)
-
     def prepare_restart(self) -> None:
         """Start spare engines in the background, so that a restart that follows takes
         well under a second instead of an engine start-up (local engines only)."""
@@ -227,54 +172,22 @@ class Pool:
         return self.owned and not self.closed and self._sets.ready(self.client)
 
     def _rendezvous(self):
-        """Engine 0 opens the store; all engines join the process group."""
-        from nbpar.pool import worker
-
-        ids = self._engine_ids
-        peer = self._controller_host()
-        addr, port = self.client[ids[0]].apply_sync(
-            worker.open_store, peer, self.port or 0, self.pg_timeout
-        )
-        watch = None
-        if self.owned:
-            also = [self.cluster.controller.process.pid] if self._local_controller() else []
-            watch = {"host": socket.gethostname(), "pid": os.getpid(), "also_kill": also}
-        results = [
-            self.client[eid].apply_async(
-                worker.join,
-                rank,
-                self.n,
-                addr,
-                port,
-                self.backend,
-                self.pg_timeout,
-                self.env,
-                watch,
-            )
-            for rank, eid in enumerate(ids)
-        ]
-        deadline = time.monotonic() + self.start_timeout
+        """Join this pool's engines into a fresh process group (`startup.rendezvous`)."""
         self.engines = []
-        for rank, ar in enumerate(results):
-            if not ar.wait(max(0.0, deadline - time.monotonic())):
-                raise PoolError(
-                    f"rank {rank} did not join the process group at "
-                    f"{addr}:{port} within {self.start_timeout:.0f} s: "
-                    f"is that address reachable from every engine?"
-                )
-            self.engines.append({**ar.get(), "engine_id": ids[rank]})
+        watch = startup.orphan_watch(self.cluster) if self.owned else None
+        self.engines, self.addr, self.rendezvous_port = startup.rendezvous(
+            self.client,
+            self._engine_ids,
+            backend=self.backend,
+            ip=self.ip,
+            port=self.port,
+            pg_timeout=self.pg_timeout,
+            start_timeout=self.start_timeout,
+            env=self.env,
+            watch=watch,
+        )
         if self.owned:
-            self._sets.use(self.client, ids)
-        self.addr, self.rendezvous_port = addr, port
-
-    def _controller_host(self) -> str:
-        url = self.client._config.get("registration", "") if hasattr(self.client, "_config") else ""
-        host = url.split("://")[-1].rsplit(":", 1)[0] if url else self.ip
-        return host or "127.0.0.1"
-
-    def _local_controller(self) -> bool:
-        proc = getattr(getattr(self.cluster, "controller", None), "process", None)
-        return proc is not None
+            self._sets.use(self.client, self._engine_ids)
 
     def activate(self) -> Pool:
         """Make this the pool that ``%%dist`` runs on."""
@@ -306,15 +219,7 @@ class Pool:
             return
         self.closed = True
         _live.discard(self)
-        try:
-            if self.owned and self.cluster is not None:
-                # ipyparallel logs harmless races while removing engine log files
-                # ("Failed to remove ...log"): not worth a red line in a notebook
-                self.cluster.log.setLevel(logging.CRITICAL)
-                self.cluster.stop_cluster_sync()
-        finally:
-            if self.client is not None:
-                self.client.close()
+        startup.stop(self.cluster if self.owned else None, self.client)
 
     def __enter__(self):
         return self

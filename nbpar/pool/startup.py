@@ -1,0 +1,144 @@
+"""Bringing a pool up: its arguments checked, the ipyparallel cluster started, and
+the rendezvous that joins the engines into one torch.distributed process group.
+
+`nbpar.pool.pool.Pool` calls these when it starts, connects or restarts; they hand
+back what they made and set nothing on the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+from nbpar.errors import PoolError
+
+#: Faster than ipyparallel's defaults: engines register within ~0.2 s of
+#: starting (the default 3 s heartbeat period made registration take ~6 s); a
+#: dead engine is still only declared after 10 s without heartbeats.
+CONTROLLER_ARGS = ["--HeartMonitor.period=200", "--HeartMonitor.max_heartmonitor_misses=50"]
+
+
+def check_size(n) -> int:
+    """``n`` as a number of engines, or ValueError."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise ValueError(f"Pool size must be a positive integer, got {n!r}")
+    if n < 1:
+        raise ValueError(f"Pool size must be at least 1, got {n}")
+    return n
+
+
+def check_port(port, ip: str) -> None:
+    """A rendezvous ``port`` that is a port number and free on this host (None: any)."""
+    if port is None:
+        return
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise ValueError(f"port must be an integer in 1..65535, got {port!r}")
+    with socket.socket() as s:
+        try:
+            s.bind((ip if ip not in ("*", "0.0.0.0", "") else "", port))
+        except OSError:
+            raise ValueError(
+                f"port {port} is already in use on this host; pass another "
+                f"port or leave port=None to pick a free one"
+            ) from None
+
+
+def start_cluster(n: int, launcher: str, ip: str, start_timeout: float, env: dict, **kwargs):
+    """Start a controller and ``n`` engines; (cluster, client, engine ids, EngineSets)
+    once all ``n`` registered. ``kwargs`` go to ``ipyparallel.Cluster``."""
+    import ipyparallel as ipp
+
+    from nbpar.pool import launchers
+    from nbpar.pool.engines import EngineSets
+
+    options = dict(
+        n=n,
+        engines=launcher,
+        controller_ip=ip,
+        delay=0,
+        controller_args=list(CONTROLLER_ARGS),
+        log_level=40,
+        engine_timeout=int(start_timeout),
+    )
+    options.update(kwargs)
+    cluster, client = ipp.Cluster(**options), None
+    try:
+        launchers.configure(cluster, launcher, n, env)
+        cluster.start_cluster_sync()
+        if cluster.cluster_file and os.path.exists(cluster.cluster_file):
+            os.chmod(cluster.cluster_file, 0o600)  # connection details: the owner's only
+        client = cluster.connect_client_sync()
+        # no progress bar: notebook outputs must stay stable
+        client.wait_for_engines(n, timeout=start_timeout, interactive=False)
+    except BaseException:
+        stop(cluster, client)  # nothing left running when start-up fails
+        raise
+    return cluster, client, sorted(client.ids)[:n], EngineSets(cluster, n, launcher)
+
+
+def stop(cluster, client) -> None:
+    """Stop ``cluster`` (the engines and controller a pool started; None: not ours)
+    and close ``client`` (None: none yet)."""
+    try:
+        if cluster is not None:
+            # ipyparallel logs harmless races while removing engine log files
+            # ("Failed to remove ...log"): not worth a red line in a notebook
+            cluster.log.setLevel(logging.CRITICAL)
+            cluster.stop_cluster_sync()
+    finally:
+        if client is not None:
+            client.close()
+
+
+def orphan_watch(cluster) -> dict:
+    """What each engine watches so that it exits with this kernel (and takes the
+    controller this kernel started with it): `nbpar.pool.orphan`."""
+    proc = getattr(getattr(cluster, "controller", None), "process", None)
+    also = [proc.pid] if proc is not None else []
+    return {"host": socket.gethostname(), "pid": os.getpid(), "also_kill": also}
+
+
+def controller_host(client, ip: str) -> str:
+    """The host the engines reached the controller at: engine 0 opens the store there."""
+    url = client._config.get("registration", "") if hasattr(client, "_config") else ""
+    host = url.split("://")[-1].rsplit(":", 1)[0] if url else ip
+    return host or "127.0.0.1"
+
+
+def rendezvous(
+    client,
+    ids: list[int],
+    *,
+    backend: str,
+    ip: str,
+    port: int | None,
+    pg_timeout: float,
+    start_timeout: float,
+    env: dict,
+    watch: dict | None,
+) -> tuple[list[dict], str, int]:
+    """Engine ``ids[0]`` opens the store; engines ``ids`` join the process group as ranks
+    0, 1, ... Returns (one dict per rank as `worker.join` reports it, store address, port)."""
+    from nbpar.pool import worker
+
+    addr, port = client[ids[0]].apply_sync(
+        worker.open_store, controller_host(client, ip), port or 0, pg_timeout
+    )
+    n = len(ids)
+    results = [
+        client[eid].apply_async(worker.join, rank, n, addr, port, backend, pg_timeout, env, watch)
+        for rank, eid in enumerate(ids)
+    ]
+    deadline = time.monotonic() + start_timeout
+    engines = []
+    for rank, ar in enumerate(results):
+        if not ar.wait(max(0.0, deadline - time.monotonic())):
+            raise PoolError(
+                f"rank {rank} did not join the process group at "
+                f"{addr}:{port} within {start_timeout:.0f} s: "
+                f"is that address reachable from every engine?"
+            )
+        engines.append({**ar.get(), "engine_id": ids[rank]})
+    return engines, addr, port
