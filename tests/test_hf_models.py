@@ -24,10 +24,9 @@ SMALL = {
     "hf:gpt2": {"n_embd": 32, "n_layer": 2, "n_head": 4},
 }
 DATA_PARALLEL = [(s, b) for b in ("torch", "deepspeed") for s in ("ddp", "zero1", "zero2", "zero3")]
-# GPT-2 fuses q/k/v in one Conv1D: no tensor-parallel plan (refused, tested below)
 WHOLE_BATCH = {
     "hf:llama": [("tp", "torch"), ("pipeline", "torch")],
-    "hf:gpt2": [("pipeline", "torch")],
+    "hf:gpt2": [("tp", "torch"), ("pipeline", "torch")],
 }
 
 
@@ -88,6 +87,31 @@ def test_llama_splits_by_its_own_tp_plan():
     assert plan.tp_widths["number of key/value heads"] == 2
 
 
+def test_gpt2_splits_by_heads_in_linear_form():
+    """GPT-2's fused c_attn becomes three Linear layers (same function, checked against
+    transformers below), split column-wise; the attention learns its local width."""
+    cfg = nbpar.TrainConfig(model="hf:gpt2", model_config=SMALL["hf:gpt2"])
+    plan = build_model(cfg).parallel_plan()
+    assert {k: type(v).__name__ for k, v in plan.tp.items()} == {
+        "attn.c_attn.q": "ColwiseParallel",
+        "attn.c_attn.k": "ColwiseParallel",
+        "attn.c_attn.v": "ColwiseParallel",
+        "attn.c_proj": "RowwiseParallel",
+        "attn": "LocalHeads",
+        "mlp.c_fc": "ColwiseParallel",
+        "mlp.c_proj": "RowwiseParallel",
+    }
+    assert plan.tp_widths == {"number of attention heads": 4, "MLP width": 128}
+    attn = plan.layers["0"].attn
+
+    class Mesh:
+        def size(self):
+            return 2
+
+    plan.tp["attn"]._apply(attn, Mesh())
+    assert attn.split_size == 16  # each of q, k, v is 32 / 2 wide on a rank
+
+
 def test_forward_equals_transformers_own():
     """nbpar runs the family's parts itself; the logits are those of *ForCausalLM."""
     import transformers
@@ -110,7 +134,10 @@ def test_forward_equals_transformers_own():
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(model="hf:gpt2", strategy="tp"), "fuses q, k and v in one Conv1D"),
+        (
+            dict(model="hf:gpt2", strategy="tp", model_config={"n_embd": 48, "n_head": 3}),
+            r"tp=2 must divide the attention heads of hf:gpt2 \(3\)",
+        ),
         (
             dict(
                 model="hf:llama",

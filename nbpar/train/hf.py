@@ -5,8 +5,16 @@ class (``model_config`` overrides small defaults; nothing is downloaded), then k
 its parts as a flat module like TinyGPT: ``embed`` (+ ``pos`` for GPT-2), ``layers``
 (a ModuleDict "0".."L-1"), ``norm`` and ``head``. nbpar runs them itself, so a pipeline
 stage is the same module with parts set to None, and the parallel plan is declared
-once here: Llama's tensor-parallel plan is transformers' own ``base_model_tp_plan``;
-GPT-2's fused ``c_attn`` (a Conv1D) has none.
+once here: Llama's tensor-parallel plan is transformers' own ``base_model_tp_plan``.
+GPT-2 has none in transformers: its ``c_attn`` computes q, k and v side by side in one
+Conv1D (weight ``(d, 3d)``), and DTensor's styles split only ``nn.Linear`` and would cut
+the fused output in T contiguous pieces (rank 0 all of q and part of k). nbpar keeps
+GPT-2's blocks as the same functions in ``nn.Linear`` form (`linear_from_conv1d`,
+`FusedQKV`: q, k and v as three Linear layers whose outputs are concatenated), so the
+Megatron split applies by heads: q, k, v and ``mlp.c_fc`` column-wise, ``attn.c_proj`` and
+``mlp.c_proj`` row-wise, and `LocalHeads` tells the attention where its local q, k and v
+meet. The parameters keep their values; their names change (``attn.c_attn.q.weight``...,
+each Linear's weight the transpose of the Conv1D's columns).
 """
 
 from __future__ import annotations
@@ -51,6 +59,69 @@ SHAPE_KEYS = {
     ),
 }
 TP_STYLES = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel"}
+
+
+def linear_from_conv1d(conv: nn.Module, lo: int = 0, hi: int | None = None) -> nn.Linear:
+    """Output columns ``lo:hi`` of a transformers Conv1D (``y = x W + b``, ``W``: (in, out))
+    as an ``nn.Linear`` holding ``W[:, lo:hi]`` transposed: the same function."""
+    weight = conv.weight[:, lo:hi]
+    linear = torch.nn.utils.skip_init(
+        nn.Linear, weight.shape[0], weight.shape[1], device=weight.device, dtype=weight.dtype
+    )
+    with torch.no_grad():
+        linear.weight.copy_(weight.t())
+        linear.bias.copy_(conv.bias[lo:hi])
+    return linear
+
+
+class FusedQKV(nn.Module):
+    """GPT-2's ``c_attn`` as three Linear layers q, k, v whose outputs are concatenated
+    (what the Conv1D computed), so each can be split by heads."""
+
+    def __init__(self, conv: nn.Module):
+        super().__init__()
+        d = conv.weight.shape[0]
+        self.q, self.k, self.v = (linear_from_conv1d(conv, i * d, (i + 1) * d) for i in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
+
+
+def _gpt2_as_linear(block: nn.Module) -> None:
+    """One GPT2Block's Conv1D layers as Linear layers, in place (same values)."""
+    block.attn.c_attn = FusedQKV(block.attn.c_attn)
+    block.attn.c_proj = linear_from_conv1d(block.attn.c_proj)
+    block.mlp.c_fc = linear_from_conv1d(block.mlp.c_fc)
+    block.mlp.c_proj = linear_from_conv1d(block.mlp.c_proj)
+
+
+def _local_heads_style():
+    from torch.distributed.tensor.parallel.style import ParallelStyle
+
+    class LocalHeads(ParallelStyle):
+        """GPT2Attention splits c_attn's output in three at ``split_size`` (d); with q, k
+        and v column-wise over T ranks each rank's parts are d/T wide."""
+
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            module.split_size = module.embed_dim // device_mesh.size()
+            return module
+
+    return LocalHeads()
+
+
+def gpt2_block_plan() -> dict:
+    """The Megatron split of one GPT2Block (in its Linear form), keyed by submodule path."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        "attn.c_attn.q": ColwiseParallel(),
+        "attn.c_attn.k": ColwiseParallel(),
+        "attn.c_attn.v": ColwiseParallel(),
+        "attn.c_proj": RowwiseParallel(),
+        "attn": _local_heads_style(),
+        "mlp.c_fc": ColwiseParallel(),
+        "mlp.c_proj": RowwiseParallel(),
+    }
 
 
 def family(model: str) -> str:
@@ -122,6 +193,9 @@ class HFCausalLM(nn.Module):
                 body.norm,
             )
             self.rotary = body.rotary_emb  # no parameters: every stage keeps it
+        if family_name == "gpt2":
+            for layer in layers:
+                _gpt2_as_linear(layer)
         self.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(layers)})
         self.head = lm.lm_head
         self.checkpointing = False
@@ -169,12 +243,16 @@ class HFCausalLM(nn.Module):
                 if tied
                 else None,
             )
+        c = self.config
         return ModelPlan(
             layers=self.layers,
+            tp=gpt2_block_plan(),
+            tp_widths={
+                "number of attention heads": c.n_head,
+                "MLP width": 4 * c.n_embd if c.n_inner is None else c.n_inner,
+            },
             first=first,
             last=("norm", "head"),
-            no_tp="fuses q, k and v in one Conv1D (c_attn), which DTensor's "
-            "Colwise/Rowwise styles cannot split by heads",
             no_pipeline="its embeddings are tied to the head (set tie_word_embeddings=False)"
             if tied
             else None,

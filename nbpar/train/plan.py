@@ -79,12 +79,14 @@ def check_tp_degree(model: nn.Module, tp: int) -> None:
 def tp_replicated_parameters(model: nn.Module) -> int:
     """Parameters tensor parallelism leaves whole on every rank: all but the weights its
     plan splits (a colwise Linear's weight and bias, a rowwise Linear's weight)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     plan = require(model, "tensor")
     split = 0
     for block in plan.layers.values():
         for path, style in plan.tp.items():
+            if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+                continue  # a style that splits no weight (e.g. one that sets an attribute)
             module = block.get_submodule(path)
             split += module.weight.numel()
             if isinstance(style, ColwiseParallel) and getattr(module, "bias", None) is not None:
