@@ -232,6 +232,25 @@ def estimate_memory(
     )
 
 
+def estimate_config(cfg, world_size: int, params, *, tp_replicated: float = 0) -> MemoryEstimate:
+    """`estimate_memory` for a TrainConfig's run on ``world_size`` engines: its degrees
+    (`TrainConfig.dims`), optimizer, offload and backend; bf16 and fp16 count as mixed."""
+    dims = cfg.dims(world_size)
+    return estimate_memory(
+        params,
+        world_size,
+        cfg.strategy,
+        dp=dims.dp,
+        tp=dims.tp,
+        pp=dims.pp,
+        optimizer=cfg.optimizer,
+        precision="fp32" if cfg.precision == "fp32" else "mixed",
+        offload=cfg.offload,
+        backend=cfg.backend,
+        tp_replicated=tp_replicated,
+    )
+
+
 def zero_table(
     params: float, dp: int, optimizer: str = "adam", precision: str = "mixed"
 ) -> list[dict]:

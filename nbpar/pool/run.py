@@ -178,32 +178,15 @@ class Run:
 
     def estimate(self):
         """The analytic memory estimate for this run's model, strategy and degrees."""
-        from nbpar.estimate import estimate_memory
+        from nbpar.estimate import estimate_config
         from nbpar.train.models import build_model
         from nbpar.train.plan import tp_replicated_parameters
 
-        cfg = self.cfg
         world = len(self.ranks)
-        dims = cfg.dims(world)
-        model = build_model(cfg)
+        model = build_model(self.cfg)
         n_params = sum(p.numel() for p in model.parameters())
-        replicated = tp_replicated_parameters(model) if dims.tp > 1 else 0
-        strategy = cfg.strategy
-        if strategy in ("ddp", "zero1", "zero2", "zero3") and dims.tp > 1:
-            strategy = "hybrid" if strategy == "ddp" else strategy
-        return estimate_memory(
-            n_params,
-            world,
-            strategy,
-            dp=dims.dp,
-            tp=dims.tp,
-            pp=dims.pp,
-            optimizer=cfg.optimizer,
-            precision="fp32" if cfg.precision == "fp32" else "mixed",
-            offload=cfg.offload,
-            backend=cfg.backend,
-            tp_replicated=replicated,
-        )
+        replicated = tp_replicated_parameters(model) if self.cfg.dims(world).tp > 1 else 0
+        return estimate_config(self.cfg, world, n_params, tp_replicated=replicated)
 
     def memory_vs_estimate(self) -> dict:
         """Per rank: measured param/grad/optimizer bytes next to the estimate."""

@@ -86,21 +86,9 @@ def check_fits(cfg, n_params: int, world: int, machine_bytes: int | None = None)
     of a local pool's ranks share it)."""
     import psutil
 
-    from nbpar.estimate import estimate_memory, format_bytes
+    from nbpar.estimate import estimate_config, format_bytes
 
-    dims = cfg.dims(world)
-    est = estimate_memory(
-        n_params,
-        world,
-        cfg.strategy,
-        dp=dims.dp,
-        tp=dims.tp,
-        pp=dims.pp,
-        optimizer=cfg.optimizer,
-        precision="fp32" if cfg.precision == "fp32" else "mixed",
-        offload=cfg.offload,
-        backend=cfg.backend,
-    )
+    est = estimate_config(cfg, world, n_params)
     need = est.per_rank_bytes["total"] * world + est.per_rank_bytes.get("host", 0) * world
     have = machine_bytes if machine_bytes is not None else psutil.virtual_memory().total
     if need > have:
