@@ -65,12 +65,11 @@ def linear_from_conv1d(conv: nn.Module, lo: int = 0, hi: int | None = None) -> n
     """Output columns ``lo:hi`` of a transformers Conv1D (``y = x W + b``, ``W``: (in, out))
     as an ``nn.Linear`` holding ``W[:, lo:hi]`` transposed: the same function."""
     weight = conv.weight[:, lo:hi]
-    linear = torch.nn.utils.skip_init(
-        nn.Linear, weight.shape[0], weight.shape[1], device=weight.device, dtype=weight.dtype
-    )
+    # built on the meta device (no initialisation, no RNG draw), then given the values
+    linear = nn.Linear(weight.shape[0], weight.shape[1], device="meta", dtype=weight.dtype)
     with torch.no_grad():
-        linear.weight.copy_(weight.t())
-        linear.bias.copy_(conv.bias[lo:hi])
+        linear.weight = nn.Parameter(weight.t().contiguous())
+        linear.bias = nn.Parameter(conv.bias[lo:hi].clone())
     return linear
 
 
