@@ -29,6 +29,7 @@ import inspect
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -442,3 +443,4 @@ assert same_weights and torch.equal(a, b)
 
 # %%
 pool.shutdown()
+shutil.rmtree(workdir)  # the script, checkpoints, exports and W&B's files
