@@ -3,6 +3,8 @@ through real DataLoaders, with and without worker processes."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -50,12 +52,15 @@ def test_every_store_gives_back_the_written_samples(samples, stores):
 
 
 def test_batched_read_equals_reads_one_by_one(stores):
-    ds = packed.HDF5Dataset(stores[1])
-    indices = [9, 3, 14, 4]
-    got = ds.__getitems__(indices)
-    for (x, y), i in zip(got, indices):
-        torch.testing.assert_close(x, ds[i][0])
-        assert y == ds[i][1]
+    for ds, indices in itertools.product(
+        (packed.HDF5Dataset(stores[1]), packed.HDF5Dataset(stores[1], in_memory=True)),
+        ([9, 3, 14, 4], [7, 5, 6, 4], [0, 39]),  # scattered, close, far apart
+    ):
+        x, y = ds[indices]
+        assert x.shape == (len(indices), 3, 4, 5) and y.dtype == torch.int64
+        for k, i in enumerate(indices):
+            torch.testing.assert_close(x[k], ds[i][0])
+            assert y[k] == ds[i][1]
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -69,9 +74,10 @@ def test_loaders_over_files_and_hdf5_agree(stores, samples, workers):
     torch.testing.assert_close(xf, torch.from_numpy(samples[0]).float())
 
 
-def test_block_sampler_reads_each_sample_once_in_contiguous_batches(stores, samples):
+@pytest.mark.parametrize("in_memory", [False, True])
+def test_block_sampler_reads_each_sample_once_in_contiguous_batches(stores, samples, in_memory):
     sampler = packed.BlockBatchSampler(len(samples[1]), batch_size=8, seed=0)
-    ds = packed.HDF5Dataset(stores[1], in_memory=True)
+    ds = packed.HDF5Dataset(stores[1], in_memory=in_memory)
     orders = []
     for epoch in (0, 1):
         sampler.set_epoch(epoch)
@@ -79,7 +85,7 @@ def test_block_sampler_reads_each_sample_once_in_contiguous_batches(stores, samp
         assert all(b == list(range(b[0], b[0] + 8)) for b in batches)
         assert sorted(i for b in batches for i in b) == list(range(40))
         orders.append([b[0] for b in batches])
-        x, y = _all(DataLoader(ds, batch_sampler=sampler))
+        x, y = _all(DataLoader(ds, sampler=sampler, batch_size=None, num_workers=epoch * 2))
         starts = orders[-1]
         expect = np.concatenate([samples[0][s : s + 8] for s in starts])
         torch.testing.assert_close(x, torch.from_numpy(expect).float())

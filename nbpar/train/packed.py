@@ -5,8 +5,8 @@ sample; a packed format (HDF5, LMDB, a numpy memmap, WebDataset's tar shards) ke
 samples in one file that a reader slices, and a contiguous run of samples is one read.
 `write_files` / `FileDataset` are the one-file-per-sample layout (class sub-folders, as
 torchvision's ImageFolder reads them); `write_hdf5` / `HDF5Dataset` the packed one, read
-per sample, per contiguous batch (``__getitems__``, with `BlockBatchSampler`) or staged in
-RAM (``in_memory=True``). `time_input_pipeline` splits training steps into the time spent
+per sample, per contiguous batch (with `BlockBatchSampler`) or staged in RAM
+(``in_memory=True``). `time_input_pipeline` splits training steps into the time spent
 waiting for the next batch and the time spent computing: the "GPU utilisation under 30%"
 symptom, measured.
 """
@@ -95,9 +95,11 @@ class HDF5Dataset(Dataset):
 
     ``in_memory=False`` reads from the file on every access; the file is opened lazily
     in each process (an h5py handle must not cross a fork into DataLoader workers).
-    ``in_memory=True`` stages the whole file in RAM once, here. ``__getitems__`` (which
-    a DataLoader calls with a batch's indices) reads the span from the lowest to the
-    highest index in one slice, so a contiguous batch is one read.
+    ``in_memory=True`` stages the whole file in RAM once, here. ``ds[i]`` is one sample;
+    ``ds[[i, j, ...]]`` a whole batch as two tensors, read in one slice when the indices
+    lie close together (span at most twice the batch; from RAM: always one gather).
+    Batches come that way from ``DataLoader(ds, sampler=BlockBatchSampler(...),
+    batch_size=None)``: no per-sample calls and no per-sample collation.
     """
 
     def __init__(self, path: str, in_memory: bool = False):
@@ -109,7 +111,7 @@ class HDF5Dataset(Dataset):
         with h5py.File(path, "r") as f:
             self.labels = f["labels"][:]
             self._ram = f["images"][:] if in_memory else None
-        self._file, self._pid = None, None
+        self._images_ds, self._pid = None, None
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -117,24 +119,30 @@ class HDF5Dataset(Dataset):
     def _images(self):
         if self._ram is not None:
             return self._ram
-        if self._file is None or self._pid != os.getpid():
+        if self._images_ds is None or self._pid != os.getpid():
             import h5py
 
-            self._file, self._pid = h5py.File(self.path, "r"), os.getpid()
-        return self._file["images"]
+            self._images_ds, self._pid = h5py.File(self.path, "r")["images"], os.getpid()
+        return self._images_ds
 
-    def __getitem__(self, i: int):
-        x = np.asarray(self._images()[i], dtype=np.float32)
-        return torch.from_numpy(x), int(self.labels[i])
-
-    def __getitems__(self, indices) -> list:
-        idx = np.asarray(indices, dtype=np.int64)
+    def __getitem__(self, i):
+        if isinstance(i, (int, np.integer)):
+            x = np.asarray(self._images()[i], dtype=np.float32)
+            return torch.from_numpy(x), int(self.labels[i])
+        idx = np.asarray(i, dtype=np.int64)  # (B,)
         lo, hi = int(idx.min()), int(idx.max()) + 1
-        block = np.asarray(self._images()[lo:hi], dtype=np.float32)  # (hi - lo, ...)
-        return [(torch.from_numpy(block[i - lo]), int(self.labels[i])) for i in idx]
+        if self._ram is not None:
+            x = self._ram[idx]
+        elif hi - lo <= 2 * len(idx):  # close together: one read of the span
+            x = self._images()[lo:hi][idx - lo]
+        else:  # scattered: one read per sample
+            images = self._images()
+            x = np.stack([images[j] for j in idx.tolist()])
+        x = torch.from_numpy(np.asarray(x, dtype=np.float32))  # (B, ...)
+        return x, torch.from_numpy(self.labels[idx].astype(np.int64))
 
     def __getstate__(self):
-        return {**self.__dict__, "_file": None, "_pid": None}
+        return {**self.__dict__, "_images_ds": None, "_pid": None}
 
 
 class BlockBatchSampler(Sampler):
