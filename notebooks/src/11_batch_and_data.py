@@ -143,13 +143,14 @@ small, same = tail["batch 8, lr 0.01"], tail["batch 64, same lr 0.01"]
 scaled, warm = tail["batch 64, lr 0.08"], tail["batch 64, lr 0.08 + warm-up"]
 k16 = tail["batch 128, lr 0.16 + warm-up"]
 assert same > 5 * small and scaled < same / 3 and warm < same / 3
+assert same - scaled > 0.75 * (same - small) and same - warm > 0.75 * (same - small)
 assert k16 - small > 1.5 * (warm - small) > 0
 first = losses["batch 64, lr 0.08"][0]
 assert max(losses["batch 64, lr 0.08"][1:]) < first
 print(f"same lr, 8x the batch: the loss after {SAMPLES} samples is "
       f"{same / small:.0f}x the small batch's (8x fewer steps of the same size)")
 print(f"8x the lr: the loss ends {same / scaled:.0f}x lower than with the same lr "
-      f"(with warm-up: {same / warm:.0f}x lower)")
+      f"(with warm-up: {same / warm:.0f}x lower), over three quarters of the way to the small batch")
 print("without warm-up the loss never rose above its first value: this small model "
       "is stable at 8x the lr from the first step")
 print(f"16x the batch with 16x the lr and warm-up ends {(k16 - small) / (warm - small):.0f}x as "
@@ -356,6 +357,11 @@ print("decoded once (HDF5 read in contiguous batches, or RAM): waiting under hal
 # packed removes the work instead of spreading it. (The decoding here is a `time.sleep`,
 # as in notebook 06, so that its cost does not depend on the machine; real decoding also
 # competes with the compute for the same cores.)
+
+# %%
+import shutil
+
+shutil.rmtree(workdir)  # the files, the HDF5 files
 
 # %% [markdown]
 # ## Takeaway
