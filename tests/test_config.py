@@ -45,6 +45,18 @@ BAD = [
     ),
     (dict(strategy="ddp", dp=3), 2, "must equal the number of engines"),
     (dict(strategy="ddp", tp=2), 2, "does not split along tp"),
+    (dict(strategy="zero3", tp=3), 4, "tp=3 must be a positive divisor"),
+    (dict(strategy="pipeline", dp=2), 4, "strategy 'pipeline' does not split along dp"),
+    (
+        dict(strategy="hybrid", backend="deepspeed", dp=1, tp=2, pp=2, grad_accum=2),
+        4,
+        "the DeepSpeed pipeline backend has no tensor parallelism",
+    ),
+    (
+        dict(strategy="pipeline", backend="deepspeed", schedule="gpipe"),
+        2,
+        "runs only the 1f1b schedule",
+    ),
     (dict(strategy="hybrid"), 4, "strategy 'hybrid' needs explicit degrees"),
     (dict(strategy="hybrid", dp=2, pp=2), 8, "must equal the number of engines"),
     (
@@ -84,6 +96,7 @@ def test_pipeline_options_checked_without_world_size():
     [
         (dict(strategy="ddp"), 4, (1, 4, 1)),
         (dict(strategy="zero3"), 2, (1, 2, 1)),
+        (dict(strategy="zero3", tp=2), 8, (1, 4, 2)),  # FSDP over tp shards
         (dict(strategy="pipeline", grad_accum=2), 2, (2, 1, 1)),
         (dict(strategy="tp"), 4, (1, 1, 4)),
         (dict(strategy="hybrid", dp=2, pp=2, grad_accum=2), 4, (2, 2, 1)),
@@ -160,3 +173,25 @@ def test_defaults_resolve():
     assert TrainConfig().dataset_name() == "pysource"
     assert TrainConfig(strategy="zero2").fsdp_reshard_after_forward() is False
     assert TrainConfig(strategy="zero3").fsdp_reshard_after_forward() is True
+
+
+def test_config_and_estimator_resolve_degrees_alike():
+    """One rule (`nbpar.strategies.resolve_degrees`): where the config runs a layout,
+    the estimator resolves the same degrees; it also takes layouts on paper."""
+    from nbpar.estimate import estimate_memory
+
+    for strategy, world, given in [
+        ("ddp", 4, {}),
+        ("zero3", 8, {"tp": 2}),
+        ("pipeline", 2, {}),
+        ("tp", 4, {}),
+        ("hybrid", 8, {"dp": 2, "tp": 2, "pp": 2}),
+        ("single", 1, {}),
+    ]:
+        dims = TrainConfig(strategy=strategy, **given).dims(world)
+        est = estimate_memory(1e9, world, strategy, **given)
+        assert (est.dp, est.tp, est.pp) == (dims.dp, dims.tp, dims.pp), strategy
+    # Megatron-DeepSpeed's ZeRO-1 x TP x PP: the estimator takes it, nbpar does not run it
+    assert estimate_memory(175e9, 1024, "zero1", tp=8, pp=16).dp == 8
+    with pytest.raises(ValueError, match="does not split along pp"):
+        TrainConfig(strategy="zero1", tp=8, pp=16).dims(1024)

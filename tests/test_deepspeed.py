@@ -138,11 +138,17 @@ def test_deepspeed_half_precision_classic_config_param_offload_and_dp_group():
             assert diff > 1e-6
 
 
-def test_deepspeed_runner_rejects_other_strategies():
-    from nbpar.parallel.deepspeed import build_runner
+def test_each_deepspeed_strategy_goes_to_its_runner():
+    """ZeRO stages to the DeepSpeed engine, pipelines to its PipelineModule; what neither
+    runs is refused by name (the runners trust `nbpar.parallel.strategy_module`)."""
+    from nbpar.parallel import strategy_module
 
-    with pytest.raises(ValueError, match="pipeline"):
-        build_runner(make_model(), ds_cfg("pipeline"), mesh=None, loss=loss_fn)
+    for strategy in ("ddp", "zero1", "zero2", "zero3"):
+        assert strategy_module(strategy, "deepspeed") == "deepspeed"
+    assert strategy_module("pipeline", "deepspeed") == "ds_pipeline"
+    assert strategy_module("hybrid", "deepspeed") == "hybrid"
+    with pytest.raises(ValueError, match="no runner for strategy='ring'"):
+        strategy_module("ring", "deepspeed")
 
 
 def test_client_optimizer_follows_deepspeed_semantics():

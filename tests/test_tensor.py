@@ -15,37 +15,32 @@ from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.testing import assert_close
 
-from nbpar.config import GPTConfig, TrainConfig
+from nbpar.config import GPTConfig
 from nbpar.parallel.mesh import ParallelDims
-from nbpar.parallel.runner import StepRunner
 from nbpar.parallel.tensor import apply_tp, block_plan, build_runner, check_tp
-from nbpar.train.models import Attention, FeedForward, TinyGPT, build_model, loss_fn
+from nbpar.train.models import Attention, FeedForward
 from tests.distributed import run_distributed
+from tests.reference.gpt import SIZES, batches, make_cfg, make_model, reference_run
+from tests.reference.gpt import lm_loss as gpt_loss
 
-GPT = GPTConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=2)
-gpt_loss = loss_fn("tiny_gpt")
-
-
-def make_gpt(seed: int = 0) -> TinyGPT:
-    return build_model(TrainConfig(model="tiny_gpt", gpt=GPT, seed=seed))
+GPT = GPTConfig(**{**SIZES, "n_layers": 2})
 
 
-def batches(steps: int, accum: int, batch: int, seed: int = 1):
-    """steps x accum micro-batches of (tokens, next tokens), each (batch, seq)."""
-    g = torch.Generator().manual_seed(seed)
-    data = torch.randint(0, GPT.vocab_size, (steps, accum, batch, GPT.seq_len + 1), generator=g)
-    return [[(mb[:, :-1], mb[:, 1:]) for mb in step] for step in data]
+def make_gpt():
+    return make_model(n_layers=GPT.n_layers)
 
 
-def train_cfg(strategy: str = "tp", **kw) -> TrainConfig:
-    return TrainConfig(strategy=strategy, model="tiny_gpt", gpt=GPT, lr=1e-3, **kw)
+def train_cfg(strategy: str = "tp", **kw):
+    return make_cfg(strategy=strategy, gpt=GPT, **kw)
 
 
-def reference_losses(steps):
-    model = make_gpt()
-    runner = StepRunner(model, torch.optim.Adam(model.parameters(), lr=1e-3), gpt_loss)
-    losses = [runner.train_step(mbs).item() for mbs in steps]
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+def steps_of(n_steps: int, accum: int, micro: int) -> list:
+    """The micro-batches of global steps 0..n_steps-1 (`tests.reference.gpt.batches`)."""
+    return [batches(s, accum, micro) for s in range(n_steps)]
+
+
+def reference_losses(n_steps: int, accum: int, micro: int, autocast_dtype=None):
+    return reference_run(n_steps, accum, micro, autocast_dtype, n_layers=GPT.n_layers)
 
 
 def drop_key_bias(params: dict) -> dict:
@@ -97,7 +92,7 @@ def _gpt_grads_worker(rank, world):
     mesh = ParallelDims(tp=world, world_size=world).build_mesh("cpu")
     model, ref = make_gpt(), make_gpt()
     apply_tp(model, mesh["tp"])
-    ((x, y),) = batches(1, 1, 4)[0]
+    ((x, y),) = batches(0, accum=1, micro=4)
     logits = model(x)
     assert_close(logits, ref(x))
     gpt_loss(logits, y).backward()
@@ -109,15 +104,12 @@ def _gpt_grads_worker(rank, world):
         assert_close(full(p.grad), ref_params[name].grad, msg=lambda m, n=name: f"{n}: {m}")
         if not hasattr(p, "full_tensor"):
             replicated[name] = p.grad.numpy().copy()  # numpy: tensors don't cross queues
-    pipelined = ParallelDims(pp=world, world_size=world).build_mesh("cpu")
-    with pytest.raises(ValueError, match="pp = 2"):
-        build_runner(make_gpt(), train_cfg("tp"), pipelined, loss_fn=gpt_loss)
     return replicated
 
 
 def _gpt_train_worker(rank, world, n_steps, accum):
     mesh = ParallelDims(tp=world, world_size=world).build_mesh("cpu")
-    steps = batches(n_steps, accum, 4)
+    steps = steps_of(n_steps, accum, 4)
     model = make_gpt()
     runner = build_runner(model, train_cfg("tp"), mesh, loss_fn=gpt_loss)
     losses = [runner.train_step(mbs).item() for mbs in steps]
@@ -128,18 +120,12 @@ def _gpt_train_worker(rank, world, n_steps, accum):
     runner = build_runner(model, train_cfg("tp", precision="bf16"), mesh, loss_fn=gpt_loss)
     bf16_losses = [runner.train_step(mbs) for mbs in steps[:3]]
     if rank == 0:  # the reference runs once; both ranks hold the same losses and full params
-        ref_losses, ref_params = reference_losses(steps)
+        ref_losses, ref_params = reference_losses(n_steps, accum, 4)
         assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-5, rtol=0)
         assert_close(drop_key_bias(params), drop_key_bias(ref_params))
-        ref_model = make_gpt()
-        ref = StepRunner(
-            ref_model,
-            torch.optim.Adam(ref_model.parameters(), lr=1e-3),
-            gpt_loss,
-            autocast_dtype=torch.bfloat16,
-        )
-        for loss, mbs in zip(bf16_losses, steps):
-            assert_close(loss, ref.train_step(mbs), atol=2e-2, rtol=0)
+        bf16_ref, _ = reference_losses(3, accum, 4, autocast_dtype=torch.bfloat16)
+        bf16 = torch.tensor([loss.item() for loss in bf16_losses])
+        assert_close(bf16, torch.tensor(bf16_ref), atol=2e-2, rtol=0)
     return memory, losses
 
 
@@ -150,12 +136,12 @@ def _dp_tp_worker(rank, world, strategies, n_steps, accum):
     dims = ParallelDims(dp=2, tp=world // 2, world_size=world)
     mesh = dims.build_mesh("cpu")
     dp_rank = dims.coords(rank)["dp"]
-    global_steps = batches(n_steps, accum, 8)  # the single process sees batch 8
+    global_steps = steps_of(n_steps, accum, 8)  # the single process sees batch 8
     mine = [
         [(x[4 * dp_rank : 4 * dp_rank + 4], y[4 * dp_rank : 4 * dp_rank + 4]) for x, y in step]
         for step in global_steps
     ]
-    ref_losses, ref_params = reference_losses(global_steps) if rank == 0 else (None, None)
+    ref_losses, ref_params = reference_losses(n_steps, accum, 8) if rank == 0 else (None, None)
     memory = {}
     for strategy in strategies:
         model = make_gpt()
@@ -236,12 +222,16 @@ def test_tp_must_divide_heads():
 
 
 @pytest.mark.parametrize(
-    "bad, match", [({"precision": "fp16"}, "fp16"), ({"strategy": "pipeline"}, "pipeline")]
+    "bad, match",
+    [
+        ({"precision": "fp16"}, "precision='fp16' needs backend='deepspeed'"),
+        ({"pp": 2}, "strategy 'tp' does not split along pp"),
+    ],
 )
-def test_build_runner_rejects_what_it_cannot_run(bad, match):
-    cfg = train_cfg(**{"strategy": "tp", **bad})
+def test_what_the_tp_runner_cannot_run_is_refused_with_the_config(bad, match):
+    """The runner trusts `TrainConfig.validate`, which every engine runs before it."""
     with pytest.raises(ValueError, match=match):
-        build_runner(make_gpt(), cfg, mesh=None, loss_fn=gpt_loss)
+        train_cfg(**bad).validate(2)
 
 
 def test_apply_tp_rejects_a_model_without_blocks():

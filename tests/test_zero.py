@@ -96,10 +96,12 @@ def test_torch_zero_bf16_within_tolerance_and_reshard_override():
     ],
 )
 def test_torch_zero_rejects_bad_config_before_any_work(kw, match):
-    from nbpar.parallel.zero import build_runner
+    """The config refuses it on the client; every engine validates again before it builds
+    a runner (`nbpar.parallel.zero.build_runner` trusts what passed)."""
+    from nbpar.config import TrainConfig
 
     with pytest.raises(ValueError, match=match):
-        build_runner(make_model(), make_cfg("zero2", **kw), mesh=None, loss=loss_fn)
+        TrainConfig(strategy="zero2", **kw).validate(2)
 
 
 def test_model_blocks_are_the_layers():

@@ -1,4 +1,5 @@
-"""ZeRO/FSDP on the dp dimension combined with tensor parallel, through TrainConfig."""
+"""ZeRO/FSDP on the dp dimension combined with tensor parallel, through TrainConfig
+(its degrees: tests/test_config.py; the runner against a reference: tests/test_tensor.py)."""
 
 from __future__ import annotations
 
@@ -28,12 +29,6 @@ def test_zero3_with_tp_matches_single_and_shards_params():
         )
         # dp=2 x tp=2: each rank keeps about a quarter of the sharded weights
         assert param_bytes < ref["param_bytes"] / 2
-
-
-def test_tp_on_zero_needs_a_divisor_of_the_engines():
-    with pytest.raises(ValueError, match="tp=3 must be a positive divisor"):
-        TrainConfig(strategy="zero3", tp=3).validate(4)
-    assert TrainConfig(strategy="zero3", tp=2).dims(8).dp == 4
 
 
 def _three_runs(rank, world):

@@ -1,5 +1,6 @@
-"""The tiny GPT the pipeline and hybrid tests train: sizes, model, the micro-batches of
-each global step (the same on every rank) and the single-process reference losses."""
+"""The tiny GPT the pipeline, hybrid and tensor-parallel tests train: sizes, model, the
+micro-batches of each global step (the same on every rank) and the single-process
+reference run."""
 
 from __future__ import annotations
 
@@ -47,14 +48,22 @@ def batches(step, accum=ACCUM, micro=MICRO):
     return [(x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro]) for i in range(accum)]
 
 
-@functools.cache
-def single_losses(steps=STEPS, accum=ACCUM, micro=MICRO):
-    """Reference: full model, one process, accumulation over the same micro-batches."""
+def reference_run(steps=STEPS, accum=ACCUM, micro=MICRO, autocast_dtype=None, **sizes):
+    """Reference: full model, one process, Adam (lr 1e-3) with accumulation over the same
+    micro-batches; (loss per step, the final state dict)."""
     from nbpar.parallel.runner import StepRunner
 
-    model = make_model()
-    runner = StepRunner(model, torch.optim.Adam(model.parameters(), lr=1e-3), lm_loss)
-    return [runner.train_step(batches(s, accum, micro)).item() for s in range(steps)]
+    model = make_model(**sizes)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    runner = StepRunner(model, optimizer, lm_loss, autocast_dtype=autocast_dtype)
+    losses = [runner.train_step(batches(s, accum, micro)).item() for s in range(steps)]
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@functools.cache
+def single_losses(steps=STEPS, accum=ACCUM, micro=MICRO):
+    """The reference run's losses (computed once per session)."""
+    return reference_run(steps, accum, micro)[0]
 
 
 def build_mesh(world, **dims):
