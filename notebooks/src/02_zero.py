@@ -66,7 +66,8 @@ nbpar.view.teaching.plot_zero_table(rows, title="7.5B params, Adam, mixed precis
 
 # %% [markdown]
 # **What is often said, and what is true.** ZeRO's savings are often quoted as fixed
-# factors ("stage 1 saves 4x, stage 2 8x, stage 3 scales linearly"). They depend on the
+# factors ("stage 1 saves 3x, stage 2 5x, stage 3 8-10x"; elsewhere "4x, 8x, linear").
+# They depend on the
 # number of data-parallel ranks N: the model states of stage s shrink by
 # `16 / (4 + 12/N)`, `16 / (2 + 14/N)` and `N`. For this model with mixed-precision Adam:
 

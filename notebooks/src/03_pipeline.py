@@ -123,7 +123,9 @@ assert activations["1f1b"][0] < activations["gpipe"][0]  # fewer micro-batches i
 #
 # The fix for the bubble is more micro-batches per step. A GPipe pipeline for
 # `m = 1, 2, 4, 8` (1F1B has the same bubble but needs `m >= p`), measured with
-# `pool.train` (each run reports the bubble of its last step) against `(p-1)/(m+p-1)`:
+# `pool.train` (each run reports the bubble of its last step) against `(p-1)/(m+p-1)`.
+# `m = 1` is naive model parallelism, the layers simply split across devices: with one
+# micro-batch only one stage works at a time, and the formula gives `(p-1)/p` idle.
 
 # %%
 ms = [1, 2, 4, 8]
@@ -182,12 +184,14 @@ pool.shutdown()
 #
 # - GPipe, 1F1B and interleaved 1F1B computed the same losses; only the order of the
 #   work differs, as the timelines show.
-# - 1F1B has GPipe's bubble but held at most `p` micro-batches' activations on the first
+# - 1F1B's schedule has GPipe's bubble (the formula; measured step times differ by the
+#   sends and the work between boxes) but held at most `p` micro-batches' activations on the first
 #   stage where GPipe held all `m` (the printed peaks): that, not speed, is why it
 #   replaced GPipe.
-# - More micro-batches shrank the measured bubble from m = 1 to m = 8 along
-#   `(p-1)/(m+p-1)`; the schedule's own share stayed near the formula, the rest is
-#   sending and the work between boxes.
+# - More micro-batches shrank the measured bubble overall from m = 1 (naive model
+#   parallelism) to m = 8, though not at every step of m and not as far as
+#   `(p-1)/(m+p-1)` (the printed figures); the schedule's own share stayed near the
+#   formula, the rest is sending and the work between boxes, which weighs at this size.
 # - Each extra micro-batch costs a smaller micro-batch (less efficient kernels) or a
 #   larger global batch; interleaving shrinks the schedule's bubble and multiplies the
 #   sends, a win only where sending is cheap next to a box.

@@ -17,7 +17,7 @@
 # # 06 · Three pitfalls of distributed training, measured
 #
 # 1. **A tiny global batch** makes the loss jump around; gradient accumulation fixes it
-#    at the cost of time, and, under ZeRO-2/3, of memory.
+#    at the cost of time, and of some memory under every strategy (measured below).
 # 2. **A starved data loader** leaves the model waiting for data; worker processes,
 #    persistent workers, prefetching and a packed file format fix it.
 # 3. **Communication eating the step**: if communication that compute does not hide
@@ -102,7 +102,8 @@ print("sum over K micro-batches of grad(loss / K) == grad of the big batch's los
 # backward. Measured, as the peak of live tensors on rank 0 for a 4-block GPT (3 steps
 # each): one micro-batch per step, 16 accumulated, and the same 16 sequences as one
 # micro-batch. (Under FSDP2's ZeRO-2/3 a rank reduce-scatters once per step, so it holds
-# the *full* gradients of every block through the accumulation, not its shard.)
+# the *full* gradients of every block through the accumulation, not its shard: the
+# difference between the two is what to expect on top under ZeRO-3.)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -123,10 +124,12 @@ for (strategy, name), b in peak.items():
 rise = {s: peak[s, "micro 1 x accum 16"] - peak[s, "micro 1"] for s in ("ddp", "zero3")}
 big = {s: peak[s, "micro 16"] - peak[s, "micro 1"] for s in ("ddp", "zero3")}
 Markdown(f"Accumulating 16 micro-batches raised the peak by **{fmt(rise['ddp'])}** under DDP "
-         f"and **{fmt(rise['zero3'])}** under ZeRO-3 (the full gradients are {fmt(grads)}); "
-         f"the same 16 sequences as one micro-batch raised it by {fmt(big['ddp'])} and "
-         f"{fmt(big['zero3'])}. Accumulation is not free in memory, but it costs a fraction "
-         f"of a bigger micro-batch.")
+         f"and **{fmt(rise['zero3'])}** under ZeRO-3. The full gradients are {fmt(grads)} and "
+         f"a rank's ZeRO-3 shard of them {fmt(grads / len(pool))}, so holding the full "
+         f"gradients instead of the shard adds {fmt(grads - grads / len(pool))}. "
+         f"The same 16 sequences as one micro-batch raised the peak by {fmt(big['ddp'])} and "
+         f"{fmt(big['zero3'])}. Accumulation is not free in memory under either strategy, "
+         f"but it costs a fraction of a bigger micro-batch.")
 
 # %%
 for s in ("ddp", "zero3"):
@@ -189,7 +192,8 @@ ax.figure
 # (DDP's buckets all-reduce while later layers still compute) and time spent waiting for
 # a slower rank; the 20% rule of thumb is about the second. A 1-sample micro-batch of the
 # small GPT is a textbook case: the step is mostly all-reduce latency. Accumulating 16
-# micro-batches per all-reduce shifts the step to compute.
+# micro-batches per all-reduce adds 15 forward and backward passes of compute to the
+# same one all-reduce, so communication takes a smaller share of a (longer) step.
 
 # %%
 gpt = dict(model="tiny_gpt", strategy="ddp", micro_batch=1, steps=20, lr=3e-3, seed=0)
@@ -215,9 +219,12 @@ fig
 # %% [markdown]
 # Timings are noisy on a shared machine (a rank that waits for a slower peer inside
 # an all-reduce counts that wait as communication), so these outputs are not checked.
-# The panels show every step's time with the gradient all-reduce in flight (DDP's own
-# hook times it); the dashed line is the 20% mark (the same panel is in the live
-# dashboard shown when you display a `Run`). Above it: give each rank more work per all-reduce (a bigger
+# Each panel splits a normal step of each rank into communication that compute did not
+# hide (exposed), communication hidden by compute, and compute alone, as the metered
+# step measured them; the dashed line is the 20% exposed mark (the same panel is in the
+# live dashboard shown when you display a `Run`). On a shared CPU the exposed share is
+# an upper bound: a rank waiting for a slower peer inside the all-reduce, and Python
+# between ops, count as exposed. Above the mark: give each rank more work per all-reduce (a bigger
 # micro-batch, accumulation), overlap communication with backward (DDP's buckets do),
 # or use fewer, faster links (on GPUs: NVLink within a node before the network).
 # `nbpar.compare` puts the numbers side by side:
@@ -240,6 +247,9 @@ pool.shutdown()
 # - A loader that decodes in Python starves the loop; workers, persistent workers with
 #   prefetching, and above all a packed memory-mapped file raised the throughput (a
 #   timing: the order matters, not the numbers).
-# - With a 1-sample micro-batch the step was mostly all-reduce; above ~20% exposed
-#   communication, give each rank more work per all-reduce, overlap it with backward, or
-#   use faster links.
+# - With a 1-sample micro-batch about half of every step had the all-reduce in flight
+#   (DDP's hook); accumulating 16 micro-batches per all-reduce cut that share (the
+#   printed figures). The metered split counts a rank's wait for its slower peer as
+#   exposed, and the metered step is slower than the others, so on a busy CPU it
+#   overstates; above ~20% exposed communication, give each rank more work per
+#   all-reduce, overlap it with backward, or use faster links.

@@ -147,7 +147,12 @@ gap = max(abs(a - b) for a, b in zip(z3_losses, ref_losses[start:]))
 print(f"zero3 resumed from the ddp checkpoint: {len(z3_losses)} steps, "
       f"largest difference from the uninterrupted ddp run below 1e-5: {gap < 1e-5}")
 assert len(z3_losses) == len(res_losses) and gap < 1e-5
-#
+held = {name: run.result()["ranks"][0]["param_bytes"] for name, run in
+        (("ddp", reference), ("zero3", as_zero3))}
+print(f"rank 0 holds {held['zero3'] / held['ddp']:.2f} of the ddp run's parameter bytes")
+assert held["zero3"] < 0.6 * held["ddp"]
+
+# %% [markdown]
 # ## One consolidated state dict
 #
 # For inference or sharing, `nbpar.train.checkpoint.consolidate` merges the shards of a

@@ -444,3 +444,17 @@ assert same_weights and torch.equal(a, b)
 # %%
 pool.shutdown()
 shutil.rmtree(workdir)  # the script, checkpoints, exports and W&B's files
+
+# %% [markdown]
+# **Takeaway.**
+#
+# - The DDP recipe the pool runs cell by cell is an ordinary torchrun script: rank and
+#   world come from torchrun, and it ended with the same weights as `pool.train`, bit for
+#   bit. On a cluster, NCCL's variables belong in the job script, `NCCL_P2P_DISABLE` is a
+#   debugging switch, and tensor parallelism goes where NVLink is.
+# - Monitoring is per rank and per step: the records above showed a clean run's memory
+#   flat and a leaking run's rising, and the same records went to Prometheus, W&B
+#   (offline) and TensorBoard. The loss they carry is the global batch's, the same on
+#   every rank; what differs per rank is memory, time and communication.
+# - A ZeRO-3 checkpoint became one safetensors file that a plain model loads without
+#   DeepSpeed, giving the trained model's outputs exactly.
