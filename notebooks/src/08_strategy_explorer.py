@@ -143,7 +143,10 @@ for name, run in runs.items():
 # The full table and figure add the peak of live tensors during a step, the step time,
 # and the communication time: the share of the step with a collective in flight and the
 # share no compute hid (exposed), which the figure plots against the 20% line. Those
-# are timings, different on every run.
+# are timings, different on every run. Exposed counts a rank's wait for its slower peer
+# inside a collective too, and the metered step runs every op through Python, which
+# stretches that wait: on a busy 2-core machine a small model's exposed share reads
+# high for every strategy. It is an upper bound, not the network's cost.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
