@@ -131,7 +131,7 @@ def _late_partner(rank, world, overlap):
     import torch
     import torch.distributed as dist
 
-    from nbpar.train.comm import CommMeter
+    from nbpar.train.comm import CommMeter, exchange_launches
 
     t = torch.ones(1000)
     a = torch.randn(128, 128)
@@ -147,7 +147,19 @@ def _late_partner(rank, world, overlap):
             while not work.is_completed():
                 a = torch.tanh(a @ a)
         work.wait()
-    return {"comm_s": meter.comm_s(), "exposed_s": meter.exposed_comm_s(), "bytes": meter.by_op()}
+    exposed = meter.exposed_comm_s()  # before the ranks tell each other when they launched
+    exchange_launches(meter)
+    out = {
+        "comm_s": meter.comm_s(),
+        "exposed_s": exposed,
+        "wait_s": meter.wait_s(),
+        "transfer_s": meter.exposed_transfer_s(),
+        "bytes": meter.by_op(),
+    }
+    # a group with a member on another host has no shared clock: no wait is split off
+    meter.set_peers("here", [("here", meter.launches()), ("there", meter.launches())])
+    out["cross_host_wait_s"] = meter.wait_s()
+    return out
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -162,6 +174,13 @@ def test_comm_time_in_flight_and_exposed_on_real_processes(overlap):
         assert r0["exposed_s"] < 0.5 * r0["comm_s"]
     else:  # nothing ran on rank 0 while it waited
         assert r0["exposed_s"] == pytest.approx(r0["comm_s"], rel=0.05)
+    # the exposed time splits into waiting for rank 1 to join and the rest
+    for r in (r0, r1):
+        assert r["wait_s"] + r["transfer_s"] == pytest.approx(r["exposed_s"], abs=1e-6)
+    if not overlap:  # rank 0 waited the 0.5 s that rank 1 was late; then 4 kB moved
+        assert r0["wait_s"] >= 0.45 and r0["transfer_s"] < 0.5 * r0["wait_s"]
+    assert r1["wait_s"] < 0.05  # rank 1 launched last: nobody to wait for
+    assert r0["cross_host_wait_s"] == 0 == r1["cross_host_wait_s"]
 
 
 def test_interval_arithmetic():

@@ -288,20 +288,24 @@ def test_plot_step_split_static():
         r: statistics.median(x["step_time_s"] for x in g if not x.get("comm_metered"))
         for r, g in groups.items()
     }
-    # bars per rank, bottom up: exposed, hidden by compute, compute only (of a normal step)
-    exposed, hidden, compute = (ax.patches[i : i + 2] for i in (0, 2, 4))
+    # bars per rank, bottom up: exposed, waiting for a slower rank, hidden by compute,
+    # compute only (shares of a normal step)
+    exposed, wait, hidden, compute = (ax.patches[i : i + 2] for i in (0, 2, 4, 6))
     assert [p.get_height() for p in exposed] == pytest.approx(
         [0.005 / normal[0], 0.015 / normal[1]]
     )
-    assert [p.get_height() for p in hidden] == pytest.approx([0.005 / normal[0], 0.015 / normal[1]])
+    assert [p.get_height() for p in wait] == pytest.approx([0.0025 / normal[0], 0.0075 / normal[1]])
+    assert [p.get_height() for p in hidden] == pytest.approx(
+        [0.0025 / normal[0], 0.0075 / normal[1]]
+    )
     assert [p.get_y() + p.get_height() for p in compute] == pytest.approx([1.0, 1.0])
-    assert [p.get_y() for p in hidden] == [p.get_height() for p in exposed]
+    assert [p.get_y() for p in wait] == [p.get_height() for p in exposed]
 
 
 def test_step_split_is_empty_before_the_first_metered_step():
     run = FakeRun(history=history(4)[:2])  # step 0 only: nothing metered yet
     ax = plot_step_split(run).axes[0]
-    assert [p.get_height() for p in ax.patches] == [0.0] * 6
+    assert [p.get_height() for p in ax.patches] == [0.0] * 8
     dash = live(run)
     assert "not metered yet" in dash.chart.notes["step"]
 

@@ -187,4 +187,6 @@ def test_a_run_reports_its_metered_steps_communication(ddp):
         assert [r["step"] for r in metered] == [s for s in range(20) if is_metered(s, 0, 20)]
         assert res["comm_s"] == metered[0]["comm_in_flight_s"] > 0
         assert res["exposed_comm_s"] == metered[0]["exposed_comm_s"]
+        assert res["comm_wait_s"] == metered[0]["comm_wait_s"]  # the ranks told each other
+        assert res["exposed_comm_s"] + res["comm_wait_s"] <= res["comm_s"] + 1e-9
         assert res["comm_bytes"] == metered[0]["comm_bytes"] > 0

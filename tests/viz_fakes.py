@@ -24,7 +24,7 @@ def record(
     """One step record like nbpar.train.loop publishes; values differ per step and rank
     (``loss`` as published: the same on every rank after averaging; ``local=True`` adds
     each rank's own ``local_loss``; ``metered=True`` the metered step's in-flight time
-    ``comm_s``, half of it exposed)."""
+    ``comm_s``, half of it exposed and a quarter waiting for the other rank)."""
     step_s = 0.05 + 0.001 * step + 0.01 * rank
     samples = 16 / step_s
     extra = {"local_loss": 5.0 / (1 + step) + 0.1 * (rank - 0.5)} if local else {}
@@ -45,7 +45,11 @@ def record(
         "rss_bytes": (100 + step + rank) * MB,
         "peak_bytes": (120 + step + rank) * MB,
         "time": 1000.0 + 0.1 * step,
-        **({"comm_metered": True, "comm_in_flight_s": comm_s} if metered else {}),
+        **(
+            {"comm_metered": True, "comm_in_flight_s": comm_s, "comm_wait_s": comm_s / 4}
+            if metered
+            else {}
+        ),
     }
 
 

@@ -140,6 +140,7 @@ class Run:
                         "comm_bytes_by_op",
                         "comm_s",
                         "exposed_comm_s",
+                        "comm_wait_s",
                         "activation_bytes",
                         "process_peak_bytes",
                     )
@@ -152,6 +153,11 @@ class Run:
             res[r]["exposed_comm_fraction"]
             for r in self.ranks
             if res[r].get("exposed_comm_fraction") is not None
+        ]
+        waits = [
+            res[r]["comm_wait_fraction"]
+            for r in self.ranks
+            if res[r].get("comm_wait_fraction") is not None
         ]
         bubbles = [
             res[r]["bubble_fraction"]
@@ -171,6 +177,7 @@ class Run:
                 "step_time_s": max(res[r]["step_time_s"] for r in self.ranks),
                 "comm_fraction": statistics.mean(comm) if comm else 0.0,
                 "exposed_comm_fraction": statistics.mean(exposed) if exposed else None,
+                "comm_wait_fraction": statistics.mean(waits) if waits else None,
                 "bubble_fraction": max(bubbles) if bubbles else None,
                 "schedule_bubble_fraction": max(forced) if forced else None,
             }

@@ -19,6 +19,15 @@ an upper bound. The metered step itself is several times slower than the others 
 op goes through Python) while the collectives run at their own speed, so a run reports
 these seconds as shares of a normal (unmetered) step.
 
+A collective cannot finish before every rank of its group has launched it, so part of
+its time in flight is a wait for a slower rank, not communication. After a metered step
+the ranks exchange when they launched each collective (`exchange_launches`; ranks on one
+host share a clock); the meter then splits the exposed time into ``wait_s`` (every op in
+flight still waited for a rank to join) and ``exposed_transfer_s`` (the rest). The 20%
+rule of thumb is about the second; the first is imbalance between ranks, made larger by
+metering, which slows each rank's compute by a different amount. Ops whose group spans
+another host, and point-to-point ops, count as transfer throughout.
+
 A dispatch mode sends every op of the step through Python, so a run meters sampled steps
 (`nbpar.train.loop.is_metered`), not all of them.
 """
@@ -103,6 +112,33 @@ def _group_size(args) -> int | None:
     return None
 
 
+def _group_name(namespace: str, args) -> str | None:
+    """The name of a collective's process group (the same on every member rank)."""
+    if namespace == "_c10d_functional":
+        name = args[-1] if args else None
+        return name if isinstance(name, str) else getattr(name, "group_name", None)
+    from torch.distributed.distributed_c10d import ProcessGroup
+
+    for a in args:
+        if type(a).__name__ == "ScriptObject" and "ProcessGroup" in a._type().name():
+            return ProcessGroup.unbox(a).group_name
+    return None
+
+
+def exchange_launches(meter: CommMeter) -> None:
+    """Every rank tells the others when it launched each collective of the metered step
+    (one all_gather_object over the default group, outside the step); each meter then
+    knows how long its ops waited for a slower rank (`CommMeter.set_peers`)."""
+    import socket
+
+    import torch.distributed as dist
+
+    mine = (socket.gethostname(), meter.launches())
+    peers: list = [None] * dist.get_world_size()
+    dist.all_gather_object(peers, mine)
+    meter.set_peers(mine[0], peers)
+
+
 def moved_bytes(op: str, args) -> tuple[str, float] | None:
     """(kind, bytes this rank sends) of one c10d op call, or None if it is no
     collective or point-to-point op."""
@@ -182,6 +218,8 @@ class CommMeter(TorchDispatchMode):
         self._closed_at: float | None = None
         self._polled: list = []  # (Work, interval) of Works that have no Future
         self._poller: threading.Thread | None = None
+        self._collectives: list[tuple[str, list]] = []  # (group name, interval), in order
+        self._ready: dict[int, float] = {}  # id(interval) -> when the last rank launched
 
     def _done(self, interval, _fut=None) -> None:
         with self._lock:
@@ -211,6 +249,10 @@ class CommMeter(TorchDispatchMode):
         self.calls[kind] = self.calls.get(kind, 0) + 1
         interval = [self.clock(), None]
         self._flight.append(interval)
+        if kind != "send_recv":
+            group = _group_name(func.namespace, args_)
+            if group is not None:
+                self._collectives.append((group, interval))
         out = func(*args, **kwargs)
         if func.namespace == "_c10d_functional":
             self._pending[id(out)] = interval
@@ -271,6 +313,42 @@ class CommMeter(TorchDispatchMode):
     def exposed_comm_s(self) -> float:
         """Seconds with an op in flight and no compute op running on this rank."""
         return uncovered_s(self._intervals(), self._compute)
+
+    def launches(self) -> dict[str, list[float]]:
+        """Group name -> when this rank launched each of its collectives, in order."""
+        out: dict[str, list[float]] = {}
+        for group, interval in self._collectives:
+            out.setdefault(group, []).append(interval[0])
+        return out
+
+    def set_peers(self, host: str, peers: list[tuple[str, dict[str, list[float]]]]) -> None:
+        """Learn when the last rank of each collective's group launched it, from every
+        rank's (host, `launches()`) (this rank's ``host`` included). The k-th collective
+        of a group is the same op on all its members (collectives run in one order per
+        group); a group with a member on another host is left out (no shared clock)."""
+        counts: dict[str, int] = {}
+        self._ready = {}
+        for group, interval in self._collectives:
+            k = counts[group] = counts.get(group, -1) + 1
+            members = [(h, launched[group]) for h, launched in peers if group in launched]
+            if any(h != host or len(times) <= k for h, times in members):
+                continue
+            self._ready[id(interval)] = max(times[k] for _, times in members)
+
+    def _transfers(self) -> list[tuple[float, float]]:
+        """In-flight intervals from the moment every rank had launched the op."""
+        return [
+            (max(a, min(b, self._ready.get(id(iv), a))), b)
+            for iv, (a, b) in zip(self._flight, self._intervals())
+        ]
+
+    def exposed_transfer_s(self) -> float:
+        """Exposed seconds in which some op in flight had every rank of its group."""
+        return uncovered_s(self._transfers(), self._compute)
+
+    def wait_s(self) -> float:
+        """Exposed seconds in which every op in flight still waited for a rank to join."""
+        return max(0.0, self.exposed_comm_s() - self.exposed_transfer_s())
 
     def total(self) -> int:
         return int(round(sum(self.bytes_by_op.values())))

@@ -29,7 +29,7 @@ from nbpar.config import TrainConfig
 from nbpar.parallel import build_runner
 from nbpar.parallel.mesh import cached_mesh
 from nbpar.train import checkpoint
-from nbpar.train.comm import CommMeter
+from nbpar.train.comm import CommMeter, exchange_launches
 from nbpar.train.data import build_loader
 from nbpar.train.memtrack import StepMemory
 from nbpar.train.metrics import CommTimer, memory_snapshot, step_peak_bytes
@@ -213,6 +213,8 @@ def _loop(
         loss, local = _global_loss(loss, mesh, dims, dev, timer)
         step_s = timer.end_step()
         comm_s = timer.comm_s()
+        if metered and distributed and world > 1:
+            exchange_launches(comm)  # outside the step's time: how long ops waited
         record = {
             "step": step,
             "rank": rank,
@@ -232,7 +234,8 @@ def _loop(
                 comm_bytes=comm.total(),
                 comm_bytes_by_op=comm.by_op(),
                 comm_in_flight_s=comm.comm_s(),
-                exposed_comm_s=comm.exposed_comm_s(),
+                exposed_comm_s=comm.exposed_transfer_s(),
+                comm_wait_s=comm.wait_s(),
                 comm_metered=True,
                 **mem.figures(),
             )
@@ -284,11 +287,16 @@ def _loop(
         "comm_bytes": comm.total() if comm is not None else None,
         "comm_bytes_by_op": comm.by_op() if comm is not None else None,
         # communication of the metered step, whatever strategy launched it: seconds with an
-        # op in flight and the part no compute hid, as shares of a normal step (the
-        # median above: the metered step itself runs several times slower, every op
-        # passing through Python, while its collectives run at their own speed)
+        # op in flight, the part no compute hid once every rank had joined (exposed), and
+        # the part spent waiting for a slower rank to join (wait), as shares of a normal
+        # step (the median above: the metered step itself runs several times slower,
+        # every op passing through Python, while its collectives run at their own speed)
         "comm_s": _median(metered_recs, "comm_in_flight_s"),
         "exposed_comm_s": _median(metered_recs, "exposed_comm_s"),
+        "comm_wait_s": _median(metered_recs, "comm_wait_s"),
+        "comm_wait_fraction": _share(_median(metered_recs, "comm_wait_s"), step_s)
+        if metered_recs
+        else None,
         "comm_fraction": _share(_median(metered_recs, "comm_in_flight_s"), step_s)
         if metered_recs
         else (min(1.0, total_comm / total_step) if total_step > 0 else 0.0),

@@ -27,6 +27,7 @@ COLUMNS = (
     ("step_time_s", "step time"),
     ("comm_fraction", "comm"),
     ("exposed_comm_fraction", "exposed"),
+    ("comm_wait_fraction", "waiting"),
     ("comm_bytes", "sent/step/rank"),
     ("final_loss", "final loss"),
 )
@@ -95,6 +96,7 @@ def summarize(obj, label: str | None = None) -> dict:
         step_time_s=res["step_time_s"],
         comm_fraction=res["comm_fraction"],
         exposed_comm_fraction=res.get("exposed_comm_fraction"),
+        comm_wait_fraction=res.get("comm_wait_fraction"),
         bubble_fraction=res.get("bubble_fraction"),
         final_loss=res["losses"][-1] if res["losses"] else None,
     )
@@ -220,6 +222,11 @@ def _figure(rows: list[dict]):
         ax.tick_params(axis="y", labelsize=FONT)
         ax.set_title(title, fontsize=FONT + 1)
     bytes_axis(axes[0])
+    exposed = [r["exposed_comm_fraction"] or 0.0 for r in rows]
+    wait = [r.get("comm_wait_fraction") or 0.0 for r in rows]
+    if any(wait):  # waiting for a slower rank, stacked on the exposed share
+        axes[2].bar(x, wait, bottom=exposed, color="tab:orange", label="waiting for a rank")
+        axes[2].legend(fontsize=FONT - 2)
     axes[2].axhline(0.2, ls="--", color="k", lw=1)
     return fig
 
@@ -260,7 +267,10 @@ def describe(res: dict) -> list[str]:
         f"{_fmt('comm_fraction', res['comm_fraction'])}"
     )
     if res.get("exposed_comm_fraction") is not None:
-        timing += f" ({_fmt('exposed_comm_fraction', res['exposed_comm_fraction'])} exposed)"
+        timing += f" ({_fmt('exposed_comm_fraction', res['exposed_comm_fraction'])} exposed"
+        if res.get("comm_wait_fraction") is not None:
+            timing += f", {_fmt('comm_wait_fraction', res['comm_wait_fraction'])} waiting"
+        timing += ")"
     if res.get("bubble_fraction") is not None:
         timing += f", pipeline bubble {res['bubble_fraction']:.0%}"
     lines.append(timing)

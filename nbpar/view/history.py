@@ -63,25 +63,30 @@ def memory_parts(rec: dict) -> dict[str, float]:
     }
 
 
-def comm_split(records: list[dict], window: int = SPLIT_WINDOW) -> tuple[float, float, float]:
-    """(exposed_s, hidden_s, step_s) of one rank, from its latest metered step.
+def comm_split(
+    records: list[dict], window: int = SPLIT_WINDOW
+) -> tuple[float, float, float, float]:
+    """(exposed_s, wait_s, hidden_s, step_s) of one rank, from its latest metered step.
 
     A run meters some steps' collectives at the c10d layer (`nbpar.train.comm.CommMeter`,
     which sees every strategy's ops; `nbpar.train.loop.is_metered` says which steps):
-    ``exposed_s`` is the time with an op in flight and no compute running, ``hidden_s``
-    the rest of the in-flight time (overlapped by compute). ``step_s`` is a normal step,
-    the median of the last ``window`` unmetered records (a metered step itself runs
-    slower: every op passes through Python). All zero before the first metered step.
+    ``exposed_s`` is the time with an op in flight, every rank of its group joined, and no
+    compute running; ``wait_s`` the time no compute ran while every op in flight still
+    waited for a slower rank to join; ``hidden_s`` the rest of the in-flight time
+    (overlapped by compute). ``step_s`` is a normal step, the median of the last
+    ``window`` unmetered records (a metered step itself runs slower: every op passes
+    through Python). All zero before the first metered step.
     """
     metered = [r for r in records if r.get("comm_metered")]
     normal = [r["step_time_s"] for r in records if not r.get("comm_metered")][-window:]
     if not metered:
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0, 0.0, 0.0
     last = metered[-1]
     step = statistics.median(normal) if normal else last["step_time_s"]
     in_flight = min(last.get("comm_in_flight_s") or 0.0, step)
     exposed = min(last.get("exposed_comm_s") or 0.0, in_flight)
-    return exposed, in_flight - exposed, step
+    wait = min(last.get("comm_wait_s") or 0.0, in_flight - exposed)
+    return exposed, wait, in_flight - exposed - wait, step
 
 
 def steps_done(history: list[dict]) -> int:

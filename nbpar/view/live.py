@@ -214,7 +214,7 @@ class LiveFeed:
         shares = {}
         for r in ranks:
             if r in self._metered:
-                exposed, _, step = comm_split([self._metered[r], *self._recent[r]])
+                exposed, _, _, step = comm_split([self._metered[r], *self._recent[r]])
                 shares[r] = exposed / step if step > 0 else 0.0
         busy = [r for r, s in shares.items() if s > COMM_HEALTH]
         comm = " · ".join(f"rank {r} {s:.0%}" for r, s in shares.items()) or "not metered yet"

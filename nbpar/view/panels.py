@@ -18,7 +18,12 @@ MEMORY_COLORS = {
     "optimizer": "tab:green",
     "other": "0.75",
 }
-SPLIT_COLORS = {"exposed": "tab:red", "hidden": "#f4a6a6", "compute": "tab:gray"}
+SPLIT_COLORS = {
+    "exposed": "tab:red",
+    "wait": "tab:orange",
+    "hidden": "#f4a6a6",
+    "compute": "tab:gray",
+}
 
 
 def figure_png(figure) -> bytes:
@@ -136,12 +141,15 @@ class MemoryPanel:
 
 
 class SplitPanel:
-    """A normal step per rank split into exposed communication, communication hidden by
-    compute, and compute alone, from the rank's latest metered step, with the 20% line.
+    """A normal step per rank split into exposed communication, waiting for a slower
+    rank, communication hidden by compute, and compute alone, from the rank's latest
+    metered step, with the 20% line.
 
     Exposed communication is the bottom segment, so a red bar above the dashed line means
-    this rank waits on collectives for more than 20% of its step (the rule of thumb is
-    about exposed time: overlapped communication costs nothing).
+    this rank spends more than 20% of its step in collectives that compute does not hide
+    (the rule of thumb is about exposed time: overlapped communication costs nothing).
+    Waiting for a slower rank inside a collective is drawn apart: it is imbalance between
+    ranks, which more bandwidth would not fix.
     """
 
     def __init__(self, ax, ranks, window: int = 10):
@@ -149,6 +157,7 @@ class SplitPanel:
         x = range(len(self.ranks))
         labels = {
             "exposed": "communication, exposed",
+            "wait": "waiting for a slower rank",
             "hidden": "communication hidden by compute",
             "compute": "compute only",
         }
@@ -166,16 +175,15 @@ class SplitPanel:
         ax.set_title("step time split (latest metered step)", fontsize="medium")
         ax.legend(fontsize="small", loc="upper center", ncols=2)
 
-    def seconds(self, groups) -> dict[int, tuple[float, float, float]]:
-        """rank -> (exposed_s, hidden_s, step_s) as drawn."""
+    def seconds(self, groups) -> dict[int, tuple[float, float, float, float]]:
+        """rank -> (exposed_s, wait_s, hidden_s, step_s) as drawn."""
         return {r: comm_split(groups.get(r, []), self.window) for r in self.ranks}
 
     def set(self, groups) -> None:
-        for i, (exposed, hidden, step) in enumerate(self.seconds(groups).values()):
-            shares = (exposed / step, hidden / step) if step > 0 else (0.0, 0.0)
+        for i, (*parts, step) in enumerate(self.seconds(groups).values()):
+            shares = [p / step if step > 0 else 0.0 for p in parts]
             heights = {
-                "exposed": shares[0],
-                "hidden": shares[1],
+                **dict(zip(("exposed", "wait", "hidden"), shares)),
                 "compute": 1.0 - sum(shares) if step > 0 else 0.0,
             }
             bottom = 0.0
