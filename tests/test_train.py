@@ -168,12 +168,13 @@ def test_parallel_strategy_without_process_group_is_rejected():
         run_training(TrainConfig(strategy="ddp", steps=1))
 
 
-def test_metered_steps_are_the_second_then_every_meter_every_th():
+def test_metered_steps_are_the_third_then_every_meter_every_th():
     from nbpar.train.loop import METER_EVERY, is_metered
 
     every = METER_EVERY
-    assert [s for s in range(50) if is_metered(s, 0, 50)] == [1, 1 + every, 1 + 2 * every]
-    assert [s for s in range(5, 30) if is_metered(s, 5, 30)] == [6, 6 + every]  # resumed at 5
+    assert [s for s in range(50) if is_metered(s, 0, 50)] == [2, 2 + every, 2 + 2 * every]
+    assert [s for s in range(5, 30) if is_metered(s, 5, 30)] == [7, 7 + every]  # resumed at 5
+    assert [s for s in range(2) if is_metered(s, 0, 2)] == [1]  # a short run: its last step
     assert [s for s in range(1) if is_metered(s, 0, 1)] == [0]  # a one-step run: its only step
 
 

@@ -88,16 +88,17 @@ def _agree_to_stop(should_stop, dev, world: int) -> bool:
     return bool(flag.item())
 
 
-#: A run meters the collectives of its second step (the first may include one-off set-up
-#: traffic such as FSDP's lazy init) and of every METER_EVERY-th step after it, so the live
-#: view's communication figures stay current on long runs. A metered step runs several
+#: A run meters the collectives of its third step and of every METER_EVERY-th step after
+#: it, so the live view's communication figures stay current on long runs. The first two
+#: carry one-off set-up: FSDP's lazy init in the first, and DDP rebuilds its buckets in the
+#: second (a broadcast from rank 0 that every rank waits for). A metered step runs several
 #: times slower (every op passes through Python), so the others are left alone.
 METER_EVERY = 20
 
 
 def is_metered(step: int, start: int, steps: int) -> bool:
     """Whether ``step`` of a run over steps ``start .. steps-1`` is metered."""
-    first = min(start + 1, steps - 1)
+    first = min(start + 2, steps - 1)
     return step >= first and (step - first) % METER_EVERY == 0
 
 

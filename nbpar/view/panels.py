@@ -170,7 +170,8 @@ class SplitPanel:
         )
         self.texts = [ax.text(i, 1.01, "", ha="center", va="bottom", fontsize="small") for i in x]
         ax.set_xticks(list(x), [f"rank {r}" for r in self.ranks])
-        ax.set_ylim(0, 1.45)
+        ax.set_ylim(0, 1.75)  # room for the legend above the bars
+        ax.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
         ax.set_ylabel("share of a normal step")
         ax.set_title("step time split (latest metered step)", fontsize="medium")
         ax.legend(fontsize="small", loc="upper center", ncols=2)
