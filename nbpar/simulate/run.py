@@ -85,7 +85,7 @@ def simulate(cfg, world_size: int, *, device_memory_gb: float | None = None) -> 
     start = time.perf_counter()
     capacity = None if device_memory_gb is None else capacity_bytes(device_memory_gb)
     cfg, dims = prepare(cfg, world_size)
-    ranks = simulate_ranks(cfg, dims) if dims.pp == 1 else _in_child(cfg, dims)
+    ranks = simulate_ranks(cfg, dims) if dims.pp == 1 else _in_children(cfg, dims)
     config = {
         **cfg.to_dict(),
         "world_size": world_size,
@@ -99,52 +99,73 @@ def simulate(cfg, world_size: int, *, device_memory_gb: float | None = None) -> 
     return out
 
 
-def simulate_ranks(cfg, dims) -> list[dict]:
-    """One simulated rank per role, each with the ranks it stands for."""
+def simulate_ranks(cfg, dims, chosen=None) -> list[dict]:
+    """One simulated rank per role (or per role in ``chosen``, a part of
+    `nbpar.simulate.roles.roles`), each with the ranks it stands for."""
     from nbpar.simulate.measure import simulate_rank
     from nbpar.simulate.roles import roles
 
     return [
         {**simulate_rank(cfg, dims, rank), "stands_for": stands_for}
-        for rank, stands_for in roles(dims)
+        for rank, stands_for in (roles(dims) if chosen is None else chosen)
     ]
 
 
-def _in_child(cfg, dims) -> list[dict]:
-    """`simulate_ranks` in a spawned process that leaves with ``os._exit``.
+def _in_children(cfg, dims) -> list[dict]:
+    """`simulate_ranks` in spawned processes, one per core at most, which share the
+    roles (a role's figures do not depend on the others) and leave with ``os._exit``.
 
-    A process that simulated pipeline stages sometimes aborts while the interpreter
-    shuts down ("corrupted double-linked list", after all Python code has run; not
-    root-caused). The child hands back its results first and then skips that shutdown,
-    so neither a notebook kernel nor a test session inherits the fault.
+    Simulating a rank is Python per op on one core, so the pipeline stages of a large
+    layout go about as many times faster as there are cores. And a process that
+    simulated pipeline stages sometimes aborts while the interpreter shuts down
+    ("corrupted double-linked list", after all Python code has run; not root-caused):
+    each child hands back its results first and then skips that shutdown, so neither a
+    notebook kernel nor a test session inherits the fault.
     """
     import multiprocessing
+    import os
 
     import cloudpickle
 
+    from nbpar.simulate.roles import roles
+
+    every = roles(dims)
+    n = max(1, min(len(every), os.cpu_count() or 1))
     ctx = multiprocessing.get_context("spawn")
-    receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(
-        target=_child,
-        args=(cloudpickle.dumps((cfg, dims)), send),
-        daemon=True,
-        name="nbpar-simulate",
-    )
-    child.start()
-    send.close()
-    try:
-        kind, value = cloudpickle.loads(receive.recv_bytes())
-    except EOFError:
+    children = []
+    for i in range(n):
+        receive, send = ctx.Pipe(duplex=False)
+        child = ctx.Process(
+            target=_child,
+            args=(cloudpickle.dumps((cfg, dims, every[i::n])), send),
+            daemon=True,
+            name=f"nbpar-simulate-{i}",
+        )
+        child.start()
+        send.close()
+        children.append((child, receive))
+    results, failure = [], None
+    for child, receive in children:
+        try:
+            kind, value = cloudpickle.loads(receive.recv_bytes())
+        except EOFError:
+            child.join()
+            kind, value = (
+                "error",
+                RuntimeError(
+                    f"the simulation's process ended without a result (exit code {child.exitcode})"
+                ),
+            )
+        finally:
+            receive.close()
         child.join()
-        raise RuntimeError(
-            f"the simulation's process ended without a result (exit code {child.exitcode})"
-        ) from None
-    finally:
-        receive.close()
-    child.join()
-    if kind == "error":
-        raise value
-    return value
+        if kind == "error":
+            failure = failure or value
+        else:
+            results += value
+    if failure is not None:
+        raise failure
+    return sorted(results, key=lambda r: r["rank"])
 
 
 def _child(payload: bytes, send) -> None:
@@ -153,8 +174,8 @@ def _child(payload: bytes, send) -> None:
     import cloudpickle
 
     try:
-        cfg, dims = cloudpickle.loads(payload)
-        out = ("ok", simulate_ranks(cfg, dims))
+        cfg, dims, chosen = cloudpickle.loads(payload)
+        out = ("ok", simulate_ranks(cfg, dims, chosen))
     except BaseException as err:  # the parent raises it
         out = ("error", err)
     try:
