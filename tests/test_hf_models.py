@@ -25,8 +25,8 @@ SMALL = {
 }
 DATA_PARALLEL = [(s, b) for b in ("torch", "deepspeed") for s in ("ddp", "zero1", "zero2", "zero3")]
 WHOLE_BATCH = {
-    "hf:llama": [("tp", "torch"), ("pipeline", "torch")],
-    "hf:gpt2": [("tp", "torch"), ("pipeline", "torch")],
+    "hf:llama": [("tp", "torch"), ("pipeline", "torch"), ("pipeline", "deepspeed")],
+    "hf:gpt2": [("tp", "torch"), ("pipeline", "torch"), ("pipeline", "deepspeed")],
 }
 
 
@@ -166,8 +166,14 @@ def test_forward_equals_transformers_own():
         (dict(model="hf:llama", model_config={"hidden_sise": 64}), "hidden_sise"),
         (dict(model="hf:mistral"), "not a known Hugging Face family"),
         (
-            dict(model="hf:llama", strategy="pipeline", backend="deepspeed"),
-            "DeepSpeed pipeline runs model 'tiny_gpt' only",
+            dict(
+                model="hf:llama",
+                strategy="pipeline",
+                backend="deepspeed",
+                grad_accum=2,
+                model_config={**SMALL["hf:llama"], "tie_word_embeddings": True},
+            ),
+            "tied to the head",
         ),
     ],
 )

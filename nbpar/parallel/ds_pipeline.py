@@ -1,7 +1,7 @@
 """Pipeline parallelism with DeepSpeed's PipelineModule (1F1B, PipeDream-Flush).
 
-TinyGPT is flattened into a layer list [embedding, block 0..L-1, norm+head]
-that DeepSpeed partitions uniformly over ``pp`` stages; ``engine.train_batch``
+The model is cut by its declared plan into one part per stage (the same cut as torch's
+pipeline), which DeepSpeed places one per stage; ``engine.train_batch``
 runs ``grad_accum`` micro-batches through its own 1F1B schedule and steps the
 optimizer. DeepSpeed allows ZeRO stage 0 or 1 only with its pipeline engine
 (stage 2/3 would shard gradients that the pipeline still accumulates).
@@ -18,38 +18,20 @@ from .deepspeed import client_optimizer, import_deepspeed, release
 from .runner import StepRunner
 
 
-class Embedding(nn.Module):
-    """Stage-0 layer: token ids (b, s) -> token + position embeddings (b, s, d)."""
+def pipeline_layers(model: nn.Module, pp: int) -> list[nn.Module]:
+    """``model`` as DeepSpeed's flat layer sequence: one layer per pipeline stage, each
+    the stage's part cut by the model's declared plan (`nbpar.parallel.pipeline.
+    split_stages`: embeddings on the first, norm and head on the last), so any model
+    with a plan runs, built-in or from transformers."""
+    from nbpar.parallel.pipeline import split_stages
 
-    def __init__(self, tok_emb: nn.Embedding, pos_emb: nn.Embedding):
-        super().__init__()
-        self.tok_emb, self.pos_emb = tok_emb, pos_emb
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
-
-
-class Head(nn.Module):
-    """Last layer: hidden (b, s, d) -> final LayerNorm -> logits (b, s, vocab)."""
-
-    def __init__(self, norm: nn.LayerNorm, head: nn.Linear):
-        super().__init__()
-        self.norm, self.head = norm, head
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(h))
-
-
-def pipeline_layers(model: nn.Module) -> list[nn.Module]:
-    """TinyGPT as DeepSpeed's flat layer sequence (the same parameter objects)."""
-    blocks = [model.layers[k] for k in sorted(model.layers.keys(), key=int)]
-    return [Embedding(model.tok_emb, model.pos_emb), *blocks, Head(model.norm, model.head)]
+    return [split_stages(model, stage, pp)[0] for stage in range(pp)]
 
 
 def ds_config(cfg, dp: int) -> dict:
     """The DeepSpeed config of a pipeline run: the one every DeepSpeed run gets
     (`nbpar.parallel.ds_config.ds_config_for`, which holds it to ZeRO stage 0 or 1).
-    What else the PipelineModule runs (tiny_gpt, 1F1B, fp32/bf16, no tp) is
+    What else the PipelineModule runs (a model with a plan, 1F1B, fp32/bf16, no tp) is
     `nbpar.strategies`' rule, checked with the TrainConfig."""
     config = ds_config_for(cfg, dp)
     config.setdefault("wall_clock_breakdown", False)
@@ -100,7 +82,10 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> DeepSpeedPipel
         dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False
     )
     module = PipelineModule(
-        layers=pipeline_layers(model), num_stages=pp, loss_fn=loss_fn, partition_method="uniform"
+        layers=pipeline_layers(model, pp),
+        num_stages=pp,
+        loss_fn=loss_fn,
+        partition_method="uniform",
     )
     config = ds_config(cfg, dp)
     optimizer = client_optimizer(config.pop("optimizer"), list(module.parameters()))
