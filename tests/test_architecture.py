@@ -1,6 +1,19 @@
 """The package's shape: no import cycles among nbpar modules (imports inside functions
 count too; imports under ``if TYPE_CHECKING:``, for annotations only, do not), so the
-data path cell -> pool -> engine -> loop -> strategy -> measurement -> view reads one way."""
+data path cell -> pool -> engine -> loop -> strategy -> measurement -> view reads one way.
+
+A package's ``__init__`` is a module like any other: ``from nbpar.parallel import
+build_runner`` inside ``nbpar/parallel/ddp.py`` is an edge to ``nbpar.parallel``, and
+``nbpar/parallel/__init__.py`` importing its strategies by name (``DISPATCH`` and
+``importlib.import_module(f"{__name__}.{name}")``) are edges from it; a cycle through
+them breaks as soon as the package imports one strategy at the top. Importing a
+submodule (``from . import pipeline``) is an edge to that submodule only, not to the
+packages above it. One
+exception, `REEXPORT_ONLY`: ``nbpar/__init__.py`` owns no code a submodule can use; it
+lazily re-exports the public API from the submodules and delegates ``%load_ext`` to
+``nbpar.pool.magics``, so ``import nbpar; nbpar.Pool(...)`` in ``nbpar.pool.magics``
+reaches ``nbpar.pool.pool``, not the package. `test_top_level_only_reexports` keeps
+that claim true."""
 
 from __future__ import annotations
 
@@ -9,9 +22,40 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
+# Ancestor packages whose __init__ only re-exports its submodules (see the module doc).
+REEXPORT_ONLY = {"nbpar"}
 
-def import_graph(package: pathlib.Path) -> dict[str, set[str]]:
-    """module -> the nbpar modules it imports anywhere in its body."""
+
+def _typing_only(tree: ast.AST) -> set[int]:
+    return {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
+        for n in ast.walk(node)
+    }
+
+
+def _dispatched(tree: ast.AST) -> list[str]:
+    """Submodule names a package imports by name: the string values of its ``DISPATCH``
+    table when it calls ``importlib.import_module(f"{__name__}.{...}")``."""
+    calls = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and ast.unparse(n.func).endswith("import_module")
+    ]
+    if not any(ast.unparse(c.args[0]).startswith("f'{__name__}.") for c in calls if c.args):
+        return []
+    return [
+        v.value
+        for node in tree.body
+        if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "DISPATCH"
+        for v in node.value.values
+        if isinstance(v, ast.Constant) and isinstance(v.value, str)
+    ]
+
+
+def import_graph(package: pathlib.Path, reexport_only=REEXPORT_ONLY) -> dict[str, set[str]]:
+    """module -> the modules of ``package`` it imports anywhere in its body."""
     files = {}
     for f in package.rglob("*.py"):
         name = ".".join(f.relative_to(package.parent).with_suffix("").parts)
@@ -20,30 +64,26 @@ def import_graph(package: pathlib.Path) -> dict[str, set[str]]:
     for mod, f in files.items():
         pkg = mod if f.name == "__init__.py" else mod.rpartition(".")[0]
         tree = ast.parse(f.read_text())
-        typing_only = {
-            id(n)
-            for node in ast.walk(tree)
-            if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
-            for n in ast.walk(node)
-        }
+        typing_only = _typing_only(tree)
+        targets = [f"{mod}.{name}" for name in _dispatched(tree)]
         for node in ast.walk(tree):
             if id(node) in typing_only:
                 continue
             if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
+                targets += [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
                     parts = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
                     base = ".".join(parts + ([base] if base else []))
-                targets = [base] + [f"{base}.{a.name}" for a in node.names]
-            else:
-                continue
-            for t in targets:
-                while t and t not in files:
-                    t = t.rpartition(".")[0]
-                if t and t != mod and not mod.startswith(t + "."):
-                    graph[mod].add(t)
+                names = [f"{base}.{a.name}" for a in node.names]
+                # `from base import name`: base itself unless every name is a submodule
+                targets += names + ([] if all(n in files for n in names) else [base])
+        for t in targets:
+            while t and t not in files:
+                t = t.rpartition(".")[0]
+            if t and t != mod and t not in reexport_only:
+                graph[mod].add(t)
     return graph
 
 
@@ -78,6 +118,60 @@ def test_no_import_cycles_in_nbpar():
 def test_the_cycle_finder_finds_cycles():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_cycle_finder_sees_cycles_through_a_package_init(tmp_path):
+    """A package that dispatches to a strategy module by name, and the strategy that
+    imports a helper back from the package: the cycle this test once missed."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        "import importlib\n"
+        "DISPATCH = {'a': 'strat'}\n"
+        "def helper():\n    pass\n"
+        "def build(name):\n"
+        "    return importlib.import_module(f'{__name__}.{DISPATCH[name]}')\n"
+    )
+    (pkg / "strat.py").write_text("from pkg import helper\n")
+    (pkg / "other.py").write_text("from . import strat\n")
+    graph = import_graph(pkg)
+    assert graph == {"pkg": {"pkg.strat"}, "pkg.strat": {"pkg"}, "pkg.other": {"pkg.strat"}}
+    assert find_cycle(graph) == ["pkg", "pkg.strat", "pkg"]
+    (pkg / "strat.py").write_text("from pkg.common import helper\n")
+    (pkg / "common.py").write_text("def helper():\n    pass\n")
+    assert find_cycle(import_graph(pkg)) == []
+
+
+def test_the_dispatch_table_is_in_the_graph():
+    from nbpar.parallel import DISPATCH
+
+    graph = import_graph(ROOT / "nbpar")
+    assert {f"nbpar.parallel.{name}" for name in DISPATCH.values()} <= graph["nbpar.parallel"]
+
+
+def test_top_level_only_reexports():
+    """`REEXPORT_ONLY`'s claim: ``nbpar/__init__.py`` imports nbpar modules only inside
+    functions that hand on what they import (imports, then one statement), and its
+    lazy table takes every public name from a submodule."""
+    tree = ast.parse((ROOT / "nbpar" / "__init__.py").read_text())
+    for node in tree.body:
+        nbpar_imports = [
+            n
+            for n in ast.walk(node)
+            if isinstance(n, ast.ImportFrom)
+            and (n.module or "").startswith("nbpar")
+            or isinstance(n, ast.Import)
+            and any(a.name.startswith("nbpar") for a in n.names)
+        ]
+        if not nbpar_imports:
+            continue
+        assert isinstance(node, ast.FunctionDef), ast.unparse(node)[:80]
+        body = node.body[1:] if ast.get_docstring(node) else node.body
+        rest = [n for n in body if not isinstance(n, (ast.Import, ast.ImportFrom))]
+        assert len(rest) == 1 and isinstance(rest[0], (ast.Expr, ast.Return)), node.name
+    import nbpar
+
+    assert all(module.startswith("nbpar.") for module, _ in nbpar._LAZY.values())
 
 
 def test_engine_side_never_imports_the_kernel_side():

@@ -3,14 +3,33 @@
 `build_runner(model, cfg, mesh)` picks the strategy module named by
 ``cfg.strategy``/``cfg.backend`` and imports it only then, so this package
 stays cheap to import and a strategy's heavy dependencies (DeepSpeed) load
-only on the engines that use it. The shared helpers every strategy needs to
-build its optimizer and autocast the same way live here too:
-`make_optimizer(params, cfg)` and `autocast_dtype(cfg)`.
+only on the engines that use it. The helpers every strategy shares (its optimizer,
+its autocast dtype) live in `nbpar.parallel.common`; they are re-exported here for
+code that imported them from the package.
 """
 
 from __future__ import annotations
 
 import importlib
+
+from nbpar.parallel.common import (
+    autocast_dtype,
+    build_single_runner,
+    make_optimizer,
+    model_device_type,
+    optimizer_spec,
+)
+
+__all__ = [
+    "DISPATCH",
+    "build_runner",
+    "strategy_module",
+    "autocast_dtype",
+    "build_single_runner",
+    "make_optimizer",
+    "model_device_type",
+    "optimizer_spec",
+]
 
 # (strategy, backend) -> module under nbpar.parallel whose build_runner to call;
 # backend None = any backend.
@@ -28,55 +47,6 @@ DISPATCH = {
     ("tp", None): "tensor",
     ("hybrid", None): "hybrid",
 }
-
-
-def optimizer_spec(cfg):
-    """(torch optimizer class, its keyword arguments) of ``cfg``: Adam, AdamW or SGD with
-    ``cfg.lr`` and ``cfg.optimizer_params``; weight decay 0 unless given (DeepSpeed's
-    default, so a ds_config's optimizer and this one agree)."""
-    import torch
-
-    classes = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
-    if cfg.optimizer not in classes:
-        raise ValueError(
-            f"optimizer={cfg.optimizer!r} is not supported; choose {', '.join(classes)}"
-        )
-    kwargs = {"lr": cfg.lr, "weight_decay": 0.0, **(cfg.optimizer_params or {})}
-    if "betas" in kwargs:
-        kwargs["betas"] = tuple(kwargs["betas"])
-    return classes[cfg.optimizer], kwargs
-
-
-def make_optimizer(params, cfg):
-    """The torch optimizer of ``cfg`` (see `optimizer_spec`), the same on every strategy."""
-    cls, kwargs = optimizer_spec(cfg)
-    return cls(params, **kwargs)
-
-
-def autocast_dtype(cfg):
-    """The autocast dtype of ``cfg.precision`` (None for fp32)."""
-    import torch
-
-    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision]
-
-
-def model_device_type(model) -> str:
-    p = next(model.parameters(), None)
-    return p.device.type if p is not None else "cpu"
-
-
-def build_single_runner(model, cfg, mesh=None):
-    """Plain one-process training: the base StepRunner."""
-    from nbpar.parallel.runner import StepRunner
-    from nbpar.train.models import loss_fn
-
-    return StepRunner(
-        model,
-        make_optimizer(model.parameters(), cfg),
-        loss_fn(cfg),
-        autocast_dtype=autocast_dtype(cfg),
-        device_type=model_device_type(model),
-    )
 
 
 def strategy_module(strategy: str, backend: str) -> str | None:

@@ -13,7 +13,7 @@ import contextlib
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from nbpar.parallel import autocast_dtype, make_optimizer, model_device_type
+from nbpar.parallel.common import autocast_dtype, make_optimizer, model_device_type
 from nbpar.parallel.runner import StepRunner
 from nbpar.train.metrics import CommTimer, HookState, timed_allreduce_hook
 from nbpar.train.models import loss_fn

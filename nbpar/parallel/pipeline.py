@@ -28,8 +28,8 @@ from nbpar.strategies import check_pipeline_schedule
 from nbpar.train import timeline as _timeline
 from nbpar.train.plan import plan_of, require
 
-from . import autocast_dtype as precision_dtype
-from . import make_optimizer
+from .common import autocast_dtype as precision_dtype
+from .common import make_optimizer
 from .runner import StepRunner
 from .saved_activations import SavedActivations
 

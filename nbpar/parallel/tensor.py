@@ -124,7 +124,7 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> StepRunner:
     dp with one gradient all-reduce per step (torch DDP rejects DTensor params:
     "got mixed torch.Tensor and DTensor"). ``loss_fn`` defaults to the model's.
     """
-    from nbpar.parallel import autocast_dtype, make_optimizer, model_device_type
+    from nbpar.parallel.common import autocast_dtype, make_optimizer, model_device_type
 
     if loss_fn is None:
         from nbpar.train.models import loss_fn as model_loss

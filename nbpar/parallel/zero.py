@@ -154,7 +154,12 @@ def build_runner(model, cfg, mesh, loss=None) -> StepRunner:
 
     ``loss`` defaults to ``nbpar.train.models.loss_fn(cfg)``.
     """
-    from nbpar.parallel import autocast_dtype, make_optimizer, model_device_type, optimizer_spec
+    from nbpar.parallel.common import (
+        autocast_dtype,
+        make_optimizer,
+        model_device_type,
+        optimizer_spec,
+    )
 
     if loss is None:
         from nbpar.train.models import loss_fn

@@ -47,7 +47,7 @@ def check_simulable(cfg) -> None:
 def _data_parallel_standin(model, cfg, mesh):
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from nbpar.parallel import autocast_dtype, make_optimizer, optimizer_spec
+    from nbpar.parallel.common import autocast_dtype, make_optimizer, optimizer_spec
     from nbpar.train.models import loss_fn
 
     dp = mesh["dp"]

@@ -107,7 +107,7 @@ class StageStep(StepRunner):
 
 def build_stage_runner(model: nn.Module, cfg, mesh, rank: int) -> StageStep:
     """The stage of ``rank``: cut, tp-split, dp-sharded as a real hybrid run does."""
-    from nbpar.parallel import autocast_dtype, make_optimizer
+    from nbpar.parallel.common import autocast_dtype, make_optimizer
     from nbpar.parallel.tensor import apply_tp
     from nbpar.train.models import loss_fn
 

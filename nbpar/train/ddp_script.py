@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from nbpar import device
 from nbpar.config import TrainConfig
-from nbpar.parallel import make_optimizer
+from nbpar.parallel.common import make_optimizer
 from nbpar.train.data import build_loader
 from nbpar.train.models import build_model, loss_fn
 from nbpar.train.registry import json_fields
