@@ -177,8 +177,6 @@ def train_config(args):
             engines = 1
             for d in dims:
                 engines *= d
-    if cfg.strategy == "single" and engines != 1:
-        raise UsageError("--strategy single is the one-process reference: use --engines 1")
     try:
         cfg.validate(engines)
         from nbpar.train.probe import check_model

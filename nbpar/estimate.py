@@ -15,7 +15,14 @@ import math
 from dataclasses import dataclass
 from numbers import Integral, Real
 
-from nbpar.strategies import OFFLOADS, STRATEGIES, resolve_degrees
+from nbpar.strategies import (
+    BACKENDS,
+    DATA_PARALLEL,
+    STRATEGIES,
+    ZERO_STAGE,
+    check_offload,
+    resolve_degrees,
+)
 
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}  # fp32 tensors/param
 PRECISIONS = {"fp32": "fp32", "mixed": "mixed", "bf16": "mixed", "fp16": "mixed"}
@@ -32,7 +39,6 @@ def format_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-_ZERO_STAGE = {"zero1": 1, "zero2": 2, "zero3": 3}
 _MEASURED = {"params": "param_bytes", "grads": "grad_bytes", "optim": "optim_bytes"}
 
 
@@ -174,17 +180,13 @@ def estimate_memory(
             f"params must be a positive finite number or a model (nn.Module), got {params!r}."
         )
     _choice("strategy", strategy, STRATEGIES)
-    _choice("offload", offload, OFFLOADS)
+    check_offload(offload, strategy)
     p_b, g_b, o_b = bytes_per_param(optimizer, precision)
     dims = resolve_degrees(strategy, world_size, dp, tp, pp)
     dp, tp, pp = dims.dp, dims.tp, dims.pp
-    stage = _ZERO_STAGE.get(strategy, 0)
-    if offload == "params" and stage != 3:
-        raise ValueError(
-            f"offload='params' needs ZeRO stage 3 (strategy 'zero3'), got strategy {strategy!r}."
-        )
-    if backend not in (None, "torch", "deepspeed"):
-        raise ValueError(f"backend must be None, 'torch' or 'deepspeed', got {backend!r}.")
+    stage = ZERO_STAGE.get(strategy, 0)
+    if backend not in (None, *BACKENDS):
+        raise ValueError(f"backend must be None or one of {', '.join(BACKENDS)}, got {backend!r}.")
     shard = {"params": stage >= 3, "grads": stage >= 2, "optim": stage >= 1}
     if backend == "torch" and stage == 2:
         shard["params"] = True
@@ -256,7 +258,7 @@ def zero_table(
 ) -> list[dict]:
     """The ZeRO paper's Fig. 1 rows: per-device GB for baseline, P_os, P_os+g, P_os+g+p."""
     rows = []
-    for name, strategy in zip(ZERO_NAMES, ("ddp", "zero1", "zero2", "zero3")):
+    for name, strategy in zip(ZERO_NAMES, DATA_PARALLEL):
         est = estimate_memory(params, dp, strategy, optimizer=optimizer, precision=precision)
         row = {"name": name, "stage": est.zero_stage}
         row.update({f"{k}_gb": v / GB for k, v in est.per_rank_bytes.items()})
@@ -410,7 +412,7 @@ def comm_bytes_per_step(
     ring = (dp - 1) / dp * param_bytes
     if strategy == "ddp":
         return 2 * ring
-    if strategy in _ZERO_STAGE:
+    if ZERO_STAGE.get(strategy):
         times = {
             ("zero1", "torch"): 3,
             ("zero2", "torch"): k + 1,

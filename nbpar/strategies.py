@@ -17,6 +17,8 @@ STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "pipeline", "tp", "hyb
 BACKENDS = ("torch", "deepspeed")
 OFFLOADS = ("none", "optimizer", "params")
 DATA_PARALLEL = ("ddp", "zero1", "zero2", "zero3")
+#: the ZeRO stage (Rajbhandari et al. 2020) of each data-parallel strategy; ddp is stage 0
+ZERO_STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 PIPELINED = ("pipeline", "hybrid")
 DEEPSPEED_STRATEGIES = DATA_PARALLEL + PIPELINED
 GPT_ONLY = ("pipeline", "tp", "hybrid")
@@ -68,6 +70,12 @@ def splits(strategy: str, backend: str) -> tuple[str, ...]:
     if strategy.startswith("zero") and backend == "torch":
         return (own, "tp")
     return (own,)
+
+
+def settable_degrees(strategy: str, backend: str) -> tuple[str, ...]:
+    """The degrees a user sets for ``strategy`` on ``backend``: those it `splits` along,
+    less its own one, which takes what the others leave."""
+    return tuple(d for d in splits(strategy, backend) if d != OWN_DEGREE.get(strategy))
 
 
 def _check_splits(strategy: str, backend: str, given: dict) -> None:
@@ -171,11 +179,7 @@ def check_combination(cfg) -> None:
     if cfg.offload != "none":
         if b != "deepspeed":
             raise ValueError(f"offload={cfg.offload!r} needs backend='deepspeed'")
-        need = ("zero3",) if cfg.offload == "params" else ("zero1", "zero2", "zero3")
-        if s not in need:
-            raise ValueError(
-                f"offload={cfg.offload!r} needs strategy {' or '.join(need)}, got {s!r}"
-            )
+        check_offload(cfg.offload, s)
     if cfg.precision == "fp16" and b != "deepspeed":
         raise ValueError(
             "precision='fp16' needs backend='deepspeed' (its loss scaler); "
@@ -188,6 +192,21 @@ def check_combination(cfg) -> None:
         )
     if cfg.deepspeed_config is not None and b != "deepspeed":
         raise ValueError("deepspeed_config needs backend='deepspeed'")
+
+
+def check_offload(offload: str, strategy: str) -> None:
+    """ZeRO-Offload moves what ZeRO partitions: offload='optimizer' needs ZeRO stage 1, 2
+    or 3, offload='params' stage 3."""
+    if offload not in OFFLOADS:
+        raise ValueError(f"offload must be one of {', '.join(OFFLOADS)}, got {offload!r}.")
+    if offload == "none":
+        return
+    least = 3 if offload == "params" else 1
+    need = [s for s, stage in ZERO_STAGE.items() if stage >= least]
+    if strategy not in need:
+        raise ValueError(
+            f"offload={offload!r} needs strategy {' or '.join(need)}, got {strategy!r}"
+        )
 
 
 def _check_deepspeed_pipeline(cfg) -> None:

@@ -22,7 +22,7 @@ def nbpar(*args, timeout=300):
         (["train", "--strategy", "bogus"], "invalid choice: 'bogus'"),
         (["train", "--micro-batch", "-1"], "--micro-batch"),
         (["train", "--steps", "0"], "--steps"),
-        (["train", "--strategy", "single", "--engines", "2"], "--engines 1"),
+        (["train", "--strategy", "single", "--engines", "2"], "exactly one engine"),
         (["estimate", "--params", "-5", "--world-size", "8"], "--params"),
         (["estimate", "--params", "1e9"], "--world-size"),
         (["bench", "launch", "--engines", "x"], "--engines"),

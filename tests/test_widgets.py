@@ -83,6 +83,12 @@ def test_controls_that_do_not_apply_are_hidden():
     assert {"schedule", "dp", "tp", "pp"} <= _shown(picker)
     _set(picker, strategy="zero2", backend="deepspeed")
     assert "offload" in _shown(picker) and "schedule" not in _shown(picker)
+    degrees = {"dp", "tp", "pp"}
+    assert not _shown(picker) & degrees  # dp, its own degree, takes all engines
+    _set(picker, strategy="hybrid")  # DeepSpeed's PipelineModule: pp x dp, no tp
+    assert _shown(picker) & degrees == {"dp", "pp"}
+    _set(picker, strategy="zero3", backend="torch")  # FSDP over tp shards: dp takes the rest
+    assert _shown(picker) & degrees == {"tp"}
 
 
 def test_pipeline_to_gpipe_and_back_never_traps():

@@ -15,7 +15,7 @@ import copy
 import difflib
 import json
 
-from nbpar.strategies import PIPELINED
+from nbpar.strategies import PIPELINED, ZERO_STAGE
 
 # Top-level keys of DeepSpeed's documented config (deepspeed.ai/docs/config-json,
 # runtime/config.py of deepspeed 0.19).
@@ -145,8 +145,7 @@ ZERO_KEYS = (
 
 OFFLOAD_DEVICES = ("cpu", "nvme", "none")
 PIPELINE_ZERO_STAGES = (0, 1)
-STAGE_OF = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
-STRATEGY_OF_STAGE = {v: k for k, v in STAGE_OF.items()}
+STRATEGY_OF_STAGE = {v: k for k, v in ZERO_STAGE.items()}
 # DeepSpeed optimizer types nbpar runs as a client torch optimizer (no compiled ops).
 TORCH_OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}
 # optimizer params nbpar passes on to torch (besides lr), per kind; DeepSpeed-only
@@ -478,8 +477,8 @@ def ds_config_for(cfg, dp_size: int) -> dict:
     _agree(d, "train_batch_size", cfg.micro_batch * cfg.grad_accum * dp_size, "train_batch_size")
     zero = d.setdefault("zero_optimization", {})
     _legacy_offload(zero)
-    if cfg.strategy in STAGE_OF:
-        _agree(zero, "stage", STAGE_OF[cfg.strategy], "zero_optimization.stage")
+    if cfg.strategy in ZERO_STAGE:
+        _agree(zero, "stage", ZERO_STAGE[cfg.strategy], "zero_optimization.stage")
     stage = zero.setdefault("stage", 0)
     if cfg.strategy in PIPELINED:
         check_pipeline_stage(d)

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import copy
 
-DEFAULT_STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "tp", "pipeline")
+from nbpar.strategies import STRATEGIES
+
+# every strategy that has default degrees (hybrid needs them given)
+DEFAULT_STRATEGIES = tuple(s for s in STRATEGIES if s != "hybrid")
 
 
 def layouts(cfg, world_size: int, strategies=DEFAULT_STRATEGIES) -> list:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from nbpar.parallel.runner import optimizer_state_tensors, tensor_bytes
 from nbpar.parallel.tensor import TensorParallelRunner
+from nbpar.strategies import PIPELINED
 
 
 class Zero1StandIn(TensorParallelRunner):
@@ -36,11 +37,7 @@ def check_simulable(cfg) -> None:
             "backend 'deepspeed' cannot be simulated: its engine flattens and "
             "copies real parameters at initialize; simulate backend 'torch'"
         )
-    if (
-        cfg.strategy in ("pipeline", "hybrid")
-        and (cfg.pp or 1) > 1
-        and cfg.schedule == "interleaved"
-    ):
+    if cfg.strategy in PIPELINED and (cfg.pp or 1) > 1 and cfg.schedule == "interleaved":
         raise ValueError("schedule 'interleaved' is not simulated; use 'gpipe' or '1f1b'")
 
 

@@ -13,6 +13,7 @@ import itertools
 import re
 
 from nbpar import config as C
+from nbpar.strategies import DEGREES
 
 #: field -> the label of its control in the picker
 LABELS = {
@@ -35,7 +36,6 @@ MODEL_WORDS = {
     "gpt.n_layers": "the model's layers",
     "gpt.vocab_size": "the model's vocabulary",
 }
-DEGREES = ("dp", "tp", "pp")
 #: whole numbers the picker's boxes take: field -> largest value
 COUNTS = {"micro_batch": 4096, "grad_accum": 4096, "steps": 10**6}
 #: which field to set neutral first when a message names several; strategy never

@@ -3,7 +3,8 @@ cannot run before launching it, train it on the pool with a live dashboard, and 
 the list of what ran.
 
 Only the controls that apply to the chosen strategy are shown (schedule for pipeline
-and hybrid, the degrees for hybrid, offload for DeepSpeed); hidden ones take the
+and hybrid, the degrees it can set besides its own (`strategies.settable_degrees`: tp
+for torch ZeRO, all three for hybrid), offload for DeepSpeed); hidden ones take the
 config's defaults. The rules are `TrainConfig.validate`'s, asked through
 `nbpar.view.picker_rules`, which lists all problems at once in the labels' words.
 """
@@ -15,6 +16,7 @@ import html
 import traitlets
 
 from nbpar import config as C
+from nbpar.strategies import settable_degrees
 from nbpar.view import picker_rules as R
 from nbpar.view.picker_rules import model_options
 
@@ -145,7 +147,7 @@ class StrategyPicker:
         if name == "schedule":
             return strategy in C.PIPELINED
         if name in R.DEGREES:
-            return strategy == "hybrid"
+            return name in settable_degrees(strategy, backend)
         if name == "offload":
             return backend == "deepspeed"
         return True
