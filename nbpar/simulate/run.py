@@ -118,8 +118,10 @@ def _in_children(cfg, dims) -> list[dict]:
     Simulating a rank is Python per op on one core, so the pipeline stages of a large
     layout go about as many times faster as there are cores. And a process that
     simulated pipeline stages sometimes aborts while the interpreter shuts down
-    ("corrupted double-linked list", after all Python code has run; not root-caused):
-    each child hands back its results first and then skips that shutdown, so neither a
+    ("corrupted double-linked list", or a segmentation fault when the garbage collector
+    frees a simulated stage, also between two roles of one process; not root-caused):
+    each child runs without the cyclic collector, hands back its results and then skips
+    the shutdown, so neither a
     notebook kernel nor a test session inherits the fault.
     """
     import multiprocessing
@@ -169,10 +171,12 @@ def _in_children(cfg, dims) -> list[dict]:
 
 
 def _child(payload: bytes, send) -> None:
+    import gc
     import os
 
     import cloudpickle
 
+    gc.disable()  # see `_in_children`: a child that lives for one call needs no collector
     try:
         cfg, dims, chosen = cloudpickle.loads(payload)
         out = ("ok", simulate_ranks(cfg, dims, chosen))

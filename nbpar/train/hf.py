@@ -48,6 +48,17 @@ FAMILIES = {
         "tie_word_embeddings": False,
     },
 }
+#: Llama 3 70B's published shape (70.6B parameters): a ``model_config`` for "hf:llama" to
+#: simulate at full size (`nbpar.simulate`; random weights, nothing downloaded)
+LLAMA_3_70B = {
+    "vocab_size": 128256,
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 8192,
+}
 # config keys of (layers, heads, key/value heads, positions) per family
 SHAPE_KEYS = {
     "gpt2": ("n_layer", "n_head", "n_head", "n_positions"),

@@ -32,9 +32,6 @@
 # and a 70B layout on 1,024 ranks.
 
 # %%
-import json
-import pathlib
-
 import nbpar
 from nbpar.estimate import GB, estimate_memory, zero_table
 
@@ -111,34 +108,37 @@ for row, strategy in zip(rows, ("ddp", "zero1", "zero2", "zero3")):
 #
 # ## 70B on 1,024 GPUs: a 3D layout
 #
-# A GPT of width 8192 and 86 blocks (69.8B parameters, the size of Llama 2 70B) on
-# dp 32 x tp 8 x pp 4, 1F1B with 4 micro-batches of 1 x 512 tokens, bf16 autocast. Four
-# ranks are simulated, one per pipeline stage, each standing for 256. It takes a few
-# minutes of one core (fake tensors are cheap, but every op of 22 blocks x 4
-# micro-batches still passes through Python), so this notebook reads what
-# `benchmarks/simulate_scale.py` recorded; the call it makes is
-#
-# ```python
-# gpt70 = nbpar.GPTConfig(d_model=8192, n_layers=86, n_heads=64, vocab_size=32000,
-#                         seq_len=512)
-# nbpar.simulate(nbpar.TrainConfig(strategy="hybrid", dp=32, tp=8, pp=4, gpt=gpt70,
-#                                  micro_batch=1, grad_accum=4, precision="mixed"), 1024)
-# ```
+# transformers' Llama with Llama 3 70B's shape (`nbpar.train.hf.LLAMA_3_70B`: width 8192,
+# 80 decoder layers, 64 heads, 8 key/value heads, a 128,256-token vocabulary; 70.6B
+# parameters, random weights on fake tensors) on dp 32 x tp 8 x pp 4, 1F1B with 4
+# micro-batches of 1 x 512 tokens, bf16 autocast. Four ranks are simulated, one per
+# pipeline stage, each standing for 256, in one process per core
+# (`benchmarks/simulate_scale.py` times the same call):
 
 # %%
-recorded = json.loads(pathlib.Path("../benchmarks/results/simulate_scale.json").read_text())
-for r in recorded["rows"]:
-    print(f"ranks {r['stands_for']:>9s}: states {gb(states(r))}, activations "
-          f"{gb(r['activation_bytes'])}, peak {gb(r['peak_bytes'])}, "
+from nbpar.train.hf import LLAMA_3_70B
+
+cfg70 = nbpar.TrainConfig(model="hf:llama", model_config=LLAMA_3_70B, strategy="hybrid",
+                          dp=32, tp=8, pp=4, micro_batch=1, grad_accum=4, precision="mixed",
+                          gpt=nbpar.GPTConfig(seq_len=512))
+big = nbpar.simulate(cfg70, 1024, device_memory_gb=80)
+for r in big["ranks"]:
+    print(f"ranks {r['stands_for'][0]:4d}-{r['stands_for'][-1]:4d}: states {gb(states(r))}, "
+          f"activations {gb(r['activation_bytes'])}, peak {gb(r['peak_bytes'])}, "
           f"sends {gb(r['comm_bytes'])} per step")
+print(f"every stage fits in 80 GB: {big['fits']}")
+acts = [r["activation_bytes"] for r in big["ranks"]]
+assert acts == sorted(acts, reverse=True)  # under 1F1B stage i holds p - i micro-batches
 
 # %% [markdown]
-# Each rank holds 1/32 of the model (tp 8 x pp 4) whole: the dp replicas all-reduce their
-# gradients (DDP's math), so its states are 16 bytes a parameter of its shard, about 40 GB;
-# the first and last stages also keep the embeddings and the head. The first stage keeps
-# the most activations: under 1F1B stage i holds p - i micro-batches at once. Every stage
-# peaks under 80 GB. Sharding over dp as well (`fsdp_reshard=True`, ZeRO-3 on each stage)
-# would divide the states by another 32.
+# Each rank holds 1/32 of the decoder layers (tp 8 x pp 4) whole: the dp replicas
+# all-reduce their gradients (DDP's math), so its states are 16 bytes a parameter of its
+# share. The first stage also keeps the embedding and the last the head, each 1.05B
+# parameters that transformers' tensor-parallel plan leaves whole on every tp rank, which
+# is why the end stages hold half again as much as the middle ones. The first stage
+# keeps the most activations: under 1F1B stage i holds p - i micro-batches at once.
+# Sharding over dp as well (`fsdp_reshard=True`, ZeRO-3 on each stage) would divide the
+# states by another 32.
 
 # %% [markdown]
 # **Takeaway.**
@@ -149,7 +149,8 @@ for r in recorded["rows"]:
 # - By simulation, the ZeRO paper's baseline and P_os+g+p came out as in the paper;
 #   PyTorch's ZeRO-1 held more than P_os (autocast keeps fp32 weights and gradients) and
 #   FSDP2's ZeRO-2 less than P_os+g between steps.
-# - The recorded 70B layout (dp 32 x tp 8 x pp 4) peaked under 80 GB on every stage, the
-#   first stage holding the most activations, as 1F1B predicts.
+# - Llama 3 70B on dp 32 x tp 8 x pp 4 peaked under 80 GB on every stage, the first
+#   stage holding the most activations, as 1F1B predicts; the end stages carry the
+#   embedding and the head whole.
 # - A simulation answers whether a layout fits and what it sends before any cluster time
 #   is spent.
