@@ -225,12 +225,17 @@ class TrainConfig:
         if self.deepspeed_config is not None:
             self._validate_ds_config()
             if world_size is not None:
-                self._fit_train_batch_size(world_size)
+                from nbpar.parallel.ds_config import ds_config_for, fit_train_batch_size
+
+                dp = self.dims(world_size).dp
+                sizes = {"micro_batch": self.micro_batch, "grad_accum": self.grad_accum}
+                for name, value in fit_train_batch_size(
+                    self.deepspeed_config, dp, sizes, self._explicit
+                ).items():
+                    setattr(self, name, value)
                 # a ds_config that disagrees with this config (micro batch, stage,
                 # precision, ...) is refused here, before any engine starts
-                from nbpar.parallel.ds_config import ds_config_for
-
-                ds_config_for(self, self.dims(world_size).dp)
+                ds_config_for(self, dp)
         if self.precision != "fp32":  # what this host's CPU or GPU can compute
             from nbpar import device
 
@@ -275,29 +280,6 @@ class TrainConfig:
             from nbpar.parallel.ds_config import check_pipeline_stage
 
             check_pipeline_stage(self.deepspeed_config)
-
-    def _fit_train_batch_size(self, world_size: int) -> None:
-        """A config that gives ``train_batch_size`` without the micro-batch (or the
-        accumulation) decides it: global = micro x accumulation x dp (DeepSpeed's rule)."""
-        d = self.deepspeed_config
-        total = d.get("train_batch_size")
-        if not isinstance(total, int) or isinstance(total, bool):
-            return
-        dp = self.dims(world_size).dp
-        for name, key, other in (
-            ("micro_batch", "train_micro_batch_size_per_gpu", "grad_accum"),
-            ("grad_accum", "gradient_accumulation_steps", "micro_batch"),
-        ):
-            if name in self._explicit or isinstance(d.get(key), int):
-                continue
-            per = getattr(self, other) * dp
-            if total % per:
-                raise ValueError(
-                    f"deepspeed_config's train_batch_size={total} is not a "
-                    f"multiple of {other}={getattr(self, other)} x dp={dp}"
-                )
-            setattr(self, name, total // per)
-            return
 
     def _adopt_deepspeed_config(self) -> None:
         """Read ``deepspeed_config`` (a path becomes the dict it holds) and take from it

@@ -2,7 +2,8 @@
 
 `validate_ds_config` catches typos and bad JSON before any engine starts;
 `ds_config_for` turns a TrainConfig into the config DeepSpeed gets, using a
-user's ``deepspeed_config`` as written. Rule for fields both set: the
+user's ``deepspeed_config`` as written; `train_settings` and `fit_train_batch_size`
+read what it decides for the TrainConfig. Rule for fields both set: the
 TrainConfig drives the data loader and the step loop, so a ds_config value
 that disagrees with it (batch sizes, ZeRO stage, precision, offload, lr) is a
 ValueError naming both, never silently overridden. Imports neither torch nor
@@ -327,6 +328,30 @@ def train_settings(d: dict) -> dict:
     if isinstance(d.get("scheduler"), dict):
         out["lr_schedule"] = copy.deepcopy(d["scheduler"])
     return out
+
+
+def fit_train_batch_size(d: dict, dp: int, sizes: dict, given) -> dict:
+    """What a ds_config's ``train_batch_size`` decides when it sets only one of the
+    micro-batch and the accumulation, or neither: global = micro x accumulation x dp
+    (DeepSpeed's rule). ``sizes``: {"micro_batch", "grad_accum"} now; ``given``: the
+    fields set explicitly, which it never decides. Returns {field: value}, at most one."""
+    total = d.get("train_batch_size")
+    if not isinstance(total, int) or isinstance(total, bool):
+        return {}
+    for name, key, other in (
+        ("micro_batch", "train_micro_batch_size_per_gpu", "grad_accum"),
+        ("grad_accum", "gradient_accumulation_steps", "micro_batch"),
+    ):
+        if name in given or isinstance(d.get(key), int):
+            continue
+        per = sizes[other] * dp
+        if total % per:
+            raise ValueError(
+                f"deepspeed_config's train_batch_size={total} is not a "
+                f"multiple of {other}={sizes[other]} x dp={dp}"
+            )
+        return {name: total // per}
+    return {}
 
 
 def _agree(d: dict, key: str, want, label: str) -> None:
