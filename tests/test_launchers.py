@@ -200,7 +200,10 @@ def test_gpu_check_dry_run_prints_one_json_object_on_cpu():
     params = res["model"]["params"]
     assert res["flops_per_token"] == 6 * params + 12 * 2 * 32 * 32
     for run in res["runs"]:
-        assert run["mfu"] is None and run["tokens_per_s"] > 0 and len(run["losses"]) == 2
+        assert run["mfu"] is None and len(run["losses"]) == 2
+        tokens = res["micro_batch"] * res["model"]["seq_len"]  # per step
+        assert run["tokens_per_s"] == pytest.approx(tokens / run["step_time_s"])
+        assert run["tflops"] == pytest.approx(run["tokens_per_s"] * res["flops_per_token"] / 1e12)
     # world size 1: ddp is the single-process computation
     assert res["runs"][0]["losses"] == pytest.approx(res["runs"][1]["losses"], rel=1e-5)
     assert "duplicate GPU" in res["shared_gpu"]["skipped"]

@@ -30,7 +30,7 @@ def test_ddp_on_the_pool_matches_single(pool):
     assert all(
         r["param_bytes"] > 0 and r["optim_bytes"] == 2 * r["param_bytes"] for r in ddp["ranks"]
     )
-    assert 0 <= ddp["comm_fraction"] <= 1 and ddp["bubble_fraction"] is None
+    assert ddp["comm_fraction"] > 0 and ddp["bubble_fraction"] is None  # all-reduce timed
 
 
 def test_history_streams_while_training_and_stop_is_clean(pool):

@@ -89,11 +89,18 @@ def test_loader_throughput_packed_beats_slow_decoding(tmp_path):
     assert packed_rate > slow_rate
 
 
-def test_loader_throughput_with_persistent_workers(tmp_path):
+def test_loader_throughput_with_persistent_workers(tmp_path, monkeypatch):
+    import time
+    from types import SimpleNamespace
+
+    clock = iter([10.0, 12.0])  # the loop takes 2 s on this clock
+    monkeypatch.setattr(
+        teaching, "time", SimpleNamespace(perf_counter=lambda: next(clock), sleep=time.sleep)
+    )
     ds = teaching.SlowDataset(n=8, shape=(2,), delay_s=0.0)
     rate = teaching.loader_throughput(
         ds, batch_size=4, num_workers=1, persistent_workers=True, prefetch_factor=2, epochs=2
     )
-    assert rate > 0
+    assert rate == 2 * 8 / 2.0  # both epochs, every sample, through the one worker
     with pytest.raises(ValueError):
         teaching.loader_throughput(ds, persistent_workers=True)

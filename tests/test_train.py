@@ -94,10 +94,11 @@ def test_summary_fields(single, ddp):
         assert res["grad_bytes"] == res["param_bytes"]
         assert res["optim_bytes"] == 2 * res["param_bytes"]  # Adam: exp_avg, exp_avg_sq
         assert res["peak_bytes"] > res["param_bytes"] and res["step_time_s"] > 0
-        assert 0.0 <= res["comm_fraction"] <= 1.0 and res["bubble_fraction"] is None
-        assert len(res["history"]) == 20
+        assert res["bubble_fraction"] is None and len(res["history"]) == 20
     assert ddp[1]["tiny_gpt"]["rank"] == 1
-    assert ddp[0]["tiny_gpt"]["comm_fraction"] > 0  # gradient all-reduce was timed
+    assert single["tiny_gpt"]["comm_fraction"] == 0  # one process: nothing to send
+    for rank in range(2):  # gradient all-reduce was timed on every rank
+        assert ddp[rank]["tiny_gpt"]["comm_fraction"] > 0
 
 
 @pytest.mark.timeout(120)
