@@ -505,7 +505,7 @@ def ds_config_for(cfg, dp_size: int) -> dict:
     if cfg.strategy in ZERO_STAGE:
         _agree(zero, "stage", ZERO_STAGE[cfg.strategy], "zero_optimization.stage")
     stage = zero.setdefault("stage", 0)
-    if cfg.strategy in PIPELINED:
+    if cfg.strategy in PIPELINED:  # validate checked it; a caller may skip validate
         check_pipeline_stage(d)
     for key in AUTO_SIZES:
         if zero.get(key) == "auto":

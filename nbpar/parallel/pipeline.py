@@ -34,8 +34,6 @@ from .runner import StepRunner
 from .saved_activations import SavedActivations
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
-"""model chunks (virtual stages) per rank for the interleaved schedule"""
-theory_bubble = _timeline.theory_bubble
 
 
 def stage_ids(pp_rank: int, pp_size: int, virtual: int = 1) -> list[int]:
