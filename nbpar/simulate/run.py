@@ -13,7 +13,6 @@ import time
 
 from nbpar.estimate import format_bytes
 
-GIB = 2**30
 PRECISIONS = {"fp32": "fp32", "bf16": "bf16", "mixed": "bf16"}  # mixed = bf16 autocast
 
 
