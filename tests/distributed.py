@@ -14,6 +14,14 @@ import traceback
 from datetime import timedelta
 
 
+def children() -> set[int]:
+    """The pids of this process's children, recursively: a test that compares them before
+    and after sees whether it left a process running."""
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

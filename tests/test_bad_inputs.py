@@ -5,22 +5,19 @@ from __future__ import annotations
 import json
 import socket
 
-import psutil
 import pytest
 
 import nbpar
 from nbpar.config import GPTConfig, TrainConfig
-
-
-def _children():
-    return {p.pid for p in psutil.Process().children(recursive=True)}
-
+from tests.distributed import children
 
 POOL_CASES = [
     (dict(n=0), ValueError, "at least 1"),
     (dict(n=-1), ValueError, "at least 1"),
     (dict(n=True), ValueError, "positive integer"),
-    (dict(n=2, launcher="carrier-pigeon"), ValueError, "unknown launcher"),
+    (dict(n=1.5), ValueError, "positive integer"),
+    (dict(n="2"), ValueError, "positive integer"),
+    (dict(n=2, launcher="carrier-pigeon"), ValueError, "unknown launcher 'carrier-pigeon'.*local"),
     (dict(n=2, backend="nccl"), ValueError, "GPU"),
     (dict(n=2, backend="ucc"), ValueError, "backend must be one of"),
     (dict(n=2, timeout=-5), ValueError, "timeout must be positive"),
@@ -30,19 +27,20 @@ POOL_CASES = [
 
 @pytest.mark.parametrize("kwargs, exc, match", POOL_CASES)
 def test_pool_bad_inputs_start_nothing(kwargs, exc, match):
-    before = _children()
+    before = children()
     n = kwargs.pop("n")
     with pytest.raises(exc, match=match):
         nbpar.Pool(n, **kwargs)
-    assert _children() <= before
+    assert children() <= before
 
 
 def test_pool_busy_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        with pytest.raises(ValueError, match="already in use"):
-            nbpar.Pool(2, port=s.getsockname()[1])
+        busy = s.getsockname()[1]
+        with pytest.raises(ValueError, match=f"port {busy} is already in use"):
+            nbpar.Pool(2, port=busy)
 
 
 # (what tests/test_config.py's table already covers is not repeated here)

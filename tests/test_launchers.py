@@ -9,20 +9,16 @@ import shutil
 import subprocess
 import sys
 
-import psutil
 import pytest
 
 import nbpar
 from nbpar import device
 from nbpar.pool import launchers
+from tests.distributed import children
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NCCL_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"}
 MPI_MISSING = shutil.which("mpiexec") is None or launchers.find_spec("mpi4py") is None
-
-
-def _children() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
 @pytest.mark.timeout(240)
@@ -56,14 +52,14 @@ def test_mpi_pool_ranks_are_mpi_ranks_and_restart_keeps_them():
 
 def test_mpi_without_mpiexec_names_the_fix(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty PATH: no mpiexec, no sbatch
-    before = _children()
+    before = children()
     with pytest.raises(
         ValueError,
         match=r"launcher='mpi' needs `mpiexec`.*apt-get install "
         r"openmpi-bin.*pip install mpi4py",
     ):
         nbpar.Pool(2, launcher="mpi")
-    assert _children() <= before
+    assert children() <= before
 
 
 def test_mpi_without_mpi4py_names_the_fix(monkeypatch, tmp_path):
@@ -91,10 +87,10 @@ def test_batch_launcher_outside_its_cluster_fails_before_starting(
     monkeypatch, tmp_path, launcher, tool, fix
 ):
     monkeypatch.setenv("PATH", str(tmp_path))
-    before = _children()
+    before = children()
     with pytest.raises(ValueError, match=rf"launcher='{launcher}' needs `{tool}`.*{fix}"):
         nbpar.Pool(16, launcher=launcher)
-    assert _children() <= before
+    assert children() <= before
 
 
 def test_launcher_options_reach_ipyparallel():
@@ -143,7 +139,7 @@ def test_mpi_launch_settings_are_configurable():
 
 def test_more_gpu_engines_than_gpus_is_an_error():
     n = device.accelerator_count() + 1
-    before = _children()
+    before = children()
     with pytest.raises(
         ValueError,
         match=rf"{n} GPU engines asked for but this machine has "
@@ -151,7 +147,7 @@ def test_more_gpu_engines_than_gpus_is_an_error():
         r"backend='gloo'",
     ):
         nbpar.Pool(n, backend="nccl")
-    assert _children() <= before
+    assert children() <= before
 
 
 @pytest.mark.timeout(180)

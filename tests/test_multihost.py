@@ -21,6 +21,8 @@ import pytest
 
 import nbpar
 from nbpar.errors import PoolError
+from nbpar.pool import pool as pool_mod
+from tests.distributed import children
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -146,7 +148,7 @@ def _children_except(h) -> set[int]:
             ours |= {pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))}
         except psutil.NoSuchProcess:
             pass
-    return {c.pid for c in psutil.Process().children(recursive=True)} - ours
+    return children() - ours
 
 
 def _connect(h, **kwargs):
@@ -189,11 +191,11 @@ def test_unreachable_rendezvous_names_the_address_and_leaves_nothing(hosts):
         hosts.start_engine(i, hosts.log_dir)
     hosts.wait_for_engines(2)  # registration is not what this test times
     before = _children_except(hosts)
-    live = set(nbpar.pool.pool._live)
+    live = set(pool_mod._live)
     t = time.monotonic()
     with pytest.raises(PoolError, match=rf"{Hosts.addr(0)}:\d+ within 4 s.*reachable"):
         _connect(hosts, start_timeout=4, pg_timeout=4)
     assert time.monotonic() - t < 60
     extra = _children_except(hosts) - before
     assert not extra, [psutil.Process(p).cmdline() for p in extra]  # the pool started nothing
-    assert set(nbpar.pool.pool._live) == live  # ... and did not become the current pool
+    assert set(pool_mod._live) == live  # ... and did not become the current pool

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import psutil
 import pytest
@@ -75,38 +74,6 @@ def test_rerunning_init_in_a_cell_is_safe(pool):
     )
     assert res.results[0]["text/plain"] == "2.0"
     assert worker.routable_address("127.0.0.1") == "127.0.0.1"
-
-
-@pytest.mark.parametrize(
-    "bad, match",
-    [
-        (0, "at least 1"),
-        (-1, "at least 1"),
-        (1.5, "positive integer"),
-        ("2", "positive integer"),
-    ],
-)
-def test_bad_pool_sizes_start_nothing(bad, match):
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
-    with pytest.raises(ValueError, match=match):
-        nbpar.Pool(bad)
-    after = {p.pid for p in psutil.Process().children(recursive=True)}
-    assert after <= before
-
-
-def test_bad_launcher_backend_and_port():
-    with pytest.raises(ValueError, match="unknown launcher 'nope'.*local"):
-        nbpar.Pool(2, launcher="nope")
-    with pytest.raises(ValueError, match="backend must be one of"):
-        nbpar.Pool(2, backend="mpi")
-    with pytest.raises(ValueError, match="GPU"):
-        nbpar.Pool(2, backend="nccl")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        busy = s.getsockname()[1]
-        with pytest.raises(ValueError, match=f"port {busy} is already in use"):
-            nbpar.Pool(2, port=busy)
 
 
 def test_replace_restart_shutdown_and_context_manager():
