@@ -1,6 +1,6 @@
 """nbpar: see distributed training work, cell by cell, from a notebook.
 
-Public API: Pool, TrainConfig, compare, estimate_memory, StrategyPicker, log,
+Public API: Pool, TrainConfig, compare, estimate_memory, StrategyPicker, FitPicker, log,
 register_model, simulate.
 Importing nbpar is cheap: torch and ipyparallel load when first needed, and
 nothing starts processes or touches devices at import time.
@@ -20,6 +20,7 @@ _LAZY = {
     "estimate_memory": ("nbpar.estimate", "estimate_memory"),
     "compare": ("nbpar.view.compare", "compare"),
     "StrategyPicker": ("nbpar.view.widgets", "StrategyPicker"),
+    "FitPicker": ("nbpar.view.fit_picker", "FitPicker"),
     "log": ("nbpar.train.userlog", "log"),
     # the package itself, callable: nbpar.simulate(cfg, world_size=N), nbpar.simulate.what_fits
     "simulate": ("nbpar.simulate", None),
@@ -36,6 +37,7 @@ __all__ = [
     "compare",
     "estimate_memory",
     "StrategyPicker",
+    "FitPicker",
     "log",
     "register_model",
     "simulate",

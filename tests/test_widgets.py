@@ -269,3 +269,38 @@ def test_single_runs_on_one_rank_and_train_errors_are_shown():
     assert picker.message == "could not start: the pool is shut down"
     assert picker.run is None and picker.button.disabled is False
     assert picker.button.description == "Run"
+
+
+def test_fit_picker_lists_the_layouts_that_fit_with_their_margin():
+    from nbpar import FitPicker
+
+    small = {"d_model": 96, "n_layers": 2, "n_heads": 3, "vocab_size": 256}
+    picker = FitPicker("tiny_gpt", model_config=small, world_size=2, device_memory_gb=1e3)
+    picker.fields["seq_len"].value = 16
+    rows = picker.simulate()
+    by = {r["strategy"]: r for r in rows}
+    assert set(by) == {"ddp", "zero1", "zero2", "zero3", "pipeline", "tp"}
+    assert "tp=2 must divide" in by["tp"]["error"]  # 3 heads: refused with the reason
+    peaks = sorted(r["peak_bytes"] for r in rows if "error" not in r)
+    assert peaks[0] < peaks[-1] and by["zero3"]["peak_bytes"] < by["ddp"]["peak_bytes"]
+    # a device between the smallest and the largest peak: exactly those below it fit
+    cut = (peaks[0] + peaks[-1]) / 2
+    picker.fields["device_memory_gb"].value = cut / 1e9
+    rows = picker.simulate()
+    fitting = [r["strategy"] for r in rows if r["fits"]]
+    assert fitting and len(fitting) < len(peaks)
+    assert all((r["peak_bytes"] <= cut) == r["fits"] for r in rows if "error" not in r)
+    assert rows[: len(fitting)] == [r for r in rows if r["fits"]]  # those that fit first
+    assert f"{len(fitting)} of {len(rows)} layouts fit 2 devices" in picker.result.value
+
+
+def test_fit_picker_says_what_is_wrong_in_one_line():
+    from nbpar import FitPicker
+
+    picker = FitPicker("hf:llama", world_size=2)
+    picker.fields["model_config"].value = '{"hidden_size": 64,'
+    assert picker.simulate() == []
+    assert "is not JSON" in picker.result.value
+    picker.fields["model_config"].value = '{"hidden_sise": 64}'
+    assert picker.simulate() == []
+    assert "hidden_sise" in picker.result.value and "\n" not in picker.result.value

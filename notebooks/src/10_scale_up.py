@@ -81,6 +81,27 @@ print(f"zero3 on 8 ranks: states {gb(states(r))} per rank, fits: {eight['fits']}
       f"sends {gb(r['comm_bytes'])} per step ({', '.join(sorted(r['comm_bytes_by_op']))})")
 
 # %% [markdown]
+# `nbpar.FitPicker` asks the same question for every strategy at once: choose a model,
+# the number of devices and their memory, press *Simulate*, and it lists the layouts
+# whose simulated peak fits, with the margin, then those that do not. Here for the 13B
+# model on 8 devices of 80 GB and the four data-parallel strategies (the widget offers
+# tp and pipeline too):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+fit = nbpar.FitPicker("tiny_gpt", model_config={"d_model": 8192, "n_layers": 16, "n_heads": 64},
+                      world_size=8, device_memory_gb=80, seq_len=16,
+                      strategies=("ddp", "zero1", "zero2", "zero3"))
+fit
+
+# %%
+for r in fit.simulate():
+    print(f"{r['strategy']:6s} dp {r['dp']} x tp {r['tp']} x pp {r['pp']}: peak "
+          f"{gb(r['peak_bytes'])}, fits: {r['fits']}")
+fits = {r["strategy"]: r["fits"] for r in fit.rows}
+assert fits["zero3"] and not fits["ddp"]
+
+# %% [markdown]
 # ## The ZeRO paper's table, by simulation
 #
 # Fig. 1 of the ZeRO paper: a 7.5B model, mixed-precision Adam, 64 data-parallel GPUs:
