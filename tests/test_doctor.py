@@ -116,7 +116,7 @@ def test_a_rank_behind_its_peers_is_named_among_four():
     )
 
 
-def test_bad_input_one_clear_line_each(ip, pool):
+def test_bad_input_one_clear_line_each(ip, pool, monkeypatch):
     from nbpar.pool import pool as pool_mod
 
     pool.activate()
@@ -124,13 +124,9 @@ def test_bad_input_one_clear_line_each(ip, pool):
         ip.run_line_magic("dist", "doctor")
     with pytest.raises(ValueError, match="abort=True needs nccl; gloo cannot abort"):
         pool.doctor(abort=True)
-    saved = pool_mod._current
-    pool_mod._current = None
-    try:
-        with pytest.raises(PoolError, match=r"no pool is running"):
-            ip.run_line_magic("dist", "doctor")
-    finally:
-        pool_mod._current = saved
+    monkeypatch.setattr(pool_mod, "_current", None)
+    with pytest.raises(PoolError, match=r"no pool is running"):
+        ip.run_line_magic("dist", "doctor")
 
 
 def test_doctor_while_a_training_run_is_in_progress(pool):

@@ -21,16 +21,12 @@ def ip():
     return shell
 
 
-def test_dist_before_a_pool_exists_says_how_to_start_one(ip):
+def test_dist_before_a_pool_exists_says_how_to_start_one(ip, monkeypatch):
     from nbpar.pool import pool as pool_mod
 
-    saved = pool_mod._current
-    pool_mod._current = None
-    try:
-        with pytest.raises(PoolError, match=r"nbpar.Pool\(2\)"):
-            ip.run_cell_magic("dist", "", "print(1)")
-    finally:
-        pool_mod._current = saved
+    monkeypatch.setattr(pool_mod, "_current", None)
+    with pytest.raises(PoolError, match=r"nbpar.Pool\(2\)"):
+        ip.run_cell_magic("dist", "", "print(1)")
 
 
 def test_output_grouped_per_rank_in_rank_order(ip, pool, capsys):

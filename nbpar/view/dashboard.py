@@ -196,8 +196,10 @@ class Dashboard:
 
     def save(self, path) -> str:
         """Write the current dashboard as a PNG file (headless; no display needed)."""
+        import pathlib
+
         self.update()
-        self.figure.savefig(path, format="png")
+        pathlib.Path(path).write_bytes(self.png())
         return str(path)
 
     def _png_due(self) -> bool:
