@@ -156,6 +156,25 @@ assert ckpt[True][0] < ckpt[False][0]
 assert max(abs(a - b) for a, b in zip(ckpt[True][1], ckpt[False][1])) < 1e-5  # same math
 
 # %%
+from matplotlib.ticker import EngFormatter, MaxNLocator
+
+big = {name: nbpar.estimate_memory(175e9, 1024, "zero1", tp=8, pp=16, precision="mixed",
+                                   activations={**activations, "in_flight": 16, **extra})
+       for name, extra in (("without", {}), ("with", {"recompute": True}))}
+fig = Figure(figsize=(9, 2.4), layout="constrained")
+left, right = fig.subplots(1, 2)
+left.barh(["without", "with"], [ckpt[False][0], ckpt[True][0]], color=["tab:blue", "tab:green"])
+left.set_title("tiny_gpt, measured: saved for backward per rank", fontsize="medium")
+right.barh(list(big), [e.per_rank_bytes["activations"] for e in big.values()],
+           color=["tab:blue", "tab:green"])
+right.set_title("175B on TP8 x PP16, estimated: activations per GPU", fontsize="medium")
+for ax in (left, right):
+    ax.xaxis.set_major_formatter(EngFormatter(unit="B"))  # decimal: kB, MB, GB
+    ax.xaxis.set_major_locator(MaxNLocator(4))
+    ax.set_ylabel("checkpointing")
+fig
+
+# %%
 fig = Figure(figsize=(10, 3.2), layout="constrained")
 cases = [("1.3B, 8 GPUs\nZeRO-1", nbpar.estimate_memory(1.3e9, 8, "zero1", precision="mixed")),
          ("30B, 64 GPUs\nTP8 x ZeRO-3", nbpar.estimate_memory(30e9, 64, "zero3", tp=8,

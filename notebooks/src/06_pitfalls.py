@@ -186,11 +186,12 @@ ax.figure
 #
 # ## 3 · Communication over 20% of the step
 #
-# A run measures, on one step, the time with a collective in flight (`comm_fraction` of
-# the step) and the part of it during which the rank computed nothing
-# (`exposed_comm_fraction`). The first includes communication that overlaps backward
-# (DDP's buckets all-reduce while later layers still compute) and time spent waiting for
-# a slower rank; the 20% rule of thumb is about the second. A 1-sample micro-batch of the
+# A run measures, on sampled steps, the time with a collective in flight (`comm_fraction`
+# of the step) and splits the part during which the rank computed nothing into time
+# waiting for the slower rank to join the collective (`comm_wait_fraction`) and the rest
+# (`exposed_comm_fraction`). In flight includes communication that overlaps backward
+# (DDP's buckets all-reduce while later layers still compute); the 20% rule of thumb is
+# about the exposed share. Waiting is imbalance between ranks, not communication. A 1-sample micro-batch of the
 # small GPT is a textbook case: the step is mostly all-reduce latency. Accumulating 16
 # micro-batches per all-reduce adds 15 forward and backward passes of compute to the
 # same one all-reduce, so communication takes a smaller share of a (longer) step.
@@ -207,7 +208,8 @@ for name, run in (("accum 1 ", run_latency), ("accum 16", run_compute)):
     share = sum(r["comm_s"] for r in steps) / sum(r["step_time_s"] for r in steps)
     res = run.result()
     print(f"{name}: all-reduce in flight {share:.0%} of every step (DDP's hook); one metered "
-          f"step: in flight {res['comm_fraction']:.0%}, exposed {res['exposed_comm_fraction']:.0%}")
+          f"step: in flight {res['comm_fraction']:.0%}, exposed {res['exposed_comm_fraction']:.0%}, "
+          f"waiting for the other rank {res['comm_wait_fraction']:.0%}")
 fig = Figure(figsize=(10, 3), layout="constrained")
 left, right = fig.subplots(1, 2)
 nbpar.view.plots.plot_step_split(run_latency, ax=left)
@@ -220,11 +222,13 @@ fig
 # Timings are noisy on a shared machine (a rank that waits for a slower peer inside
 # an all-reduce counts that wait as communication), so these outputs are not checked.
 # Each panel splits a normal step of each rank into communication that compute did not
-# hide (exposed), communication hidden by compute, and compute alone, as the metered
-# step measured them; the dashed line is the 20% exposed mark (the same panel is in the
-# live dashboard shown when you display a `Run`). On a shared CPU the exposed share is
-# an upper bound: a rank waiting for a slower peer inside the all-reduce, and Python
-# between ops, count as exposed. Above the mark: give each rank more work per all-reduce (a bigger
+# hide once both ranks had joined (exposed), waiting inside a collective for the slower
+# rank, communication hidden by compute, and compute alone, as the metered step measured
+# them; the dashed line is the 20% exposed mark (the same panel is in the live dashboard
+# shown when you display a `Run`). Exposed is an upper bound (Python between ops counts
+# as not hiding it). The metered step sends every op through Python, which slows the
+# ranks by different amounts, so on a busy CPU the wait reads larger than on a normal
+# step. Above the mark: give each rank more work per all-reduce (a bigger
 # micro-batch, accumulation), overlap communication with backward (DDP's buckets do),
 # or use fewer, faster links (on GPUs: NVLink within a node before the network).
 # `nbpar.compare` puts the numbers side by side:
@@ -249,7 +253,7 @@ pool.shutdown()
 #   timing: the order matters, not the numbers).
 # - With a 1-sample micro-batch about half of every step had the all-reduce in flight
 #   (DDP's hook); accumulating 16 micro-batches per all-reduce cut that share (the
-#   printed figures). The metered split counts a rank's wait for its slower peer as
-#   exposed, and the metered step is slower than the others, so on a busy CPU it
-#   overstates; above ~20% exposed communication, give each rank more work per
-#   all-reduce, overlap it with backward, or use faster links.
+#   printed figures). The metered split keeps a rank's wait for its slower peer apart
+#   from exposed communication: the wait is imbalance, not bandwidth. Above ~20% exposed
+#   communication, give each rank more work per all-reduce, overlap it with backward, or
+#   use faster links.

@@ -143,10 +143,11 @@ for name, run in runs.items():
 # The full table and figure add the peak of live tensors during a step, the step time,
 # and the communication time: the share of the step with a collective in flight and the
 # share no compute hid (exposed), which the figure plots against the 20% line. Those
-# are timings, different on every run. Exposed counts a rank's wait for its slower peer
-# inside a collective too, and the metered step runs every op through Python, which
-# stretches that wait: on a busy 2-core machine a small model's exposed share reads
-# high for every strategy. It is an upper bound, not the network's cost.
+# are timings, different on every run. A rank's wait for its slower peer inside a
+# collective is kept apart from exposed communication (the orange part of the bar): the
+# metered step runs every op through Python and slows the ranks by different amounts, so
+# on a busy 2-core machine the wait can be most of what a small model spends in
+# collectives.
 
 # %%
 # NBVAL_IGNORE_OUTPUT

@@ -201,9 +201,8 @@ print(f"ZeRO-3 holds {s['zero3']:.0%} of DDP's model states at {c['zero3']:.1f}x
 # %% [markdown]
 # The timings are the other half of the decision: the peak of live tensors during a
 # step (activations included), and the share of the step that communication no compute
-# hid (an upper bound: waiting for a slower peer inside a collective counts as exposed,
-# and on a busy CPU that wait dominates). On a shared CPU they change from run to run,
-# so this cell is not checked; on a
+# hid once every rank had joined, with the wait for a slower rank apart. On a shared CPU
+# they change from run to run, so this cell is not checked; on a
 # model this small, activations and latency dominate, and the figures say little about a
 # large model (section 3 does).
 
