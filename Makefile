@@ -81,7 +81,7 @@ bench: setup
 # from them (tests/test_bench_results.py fails when they disagree). One benchmark:
 # make bench-results BENCHMARKS=ddp_vs_torchrun
 BENCHMARKS ?= pool_startup ddp_vs_torchrun dashboard_overhead pipeline_bubble \
-	pipeline_memory memory_vs_estimate reliability scaling
+	pipeline_memory memory_vs_estimate reliability scaling notebook_times
 .PHONY: bench-results bench-report
 bench-results: setup
 	@mkdir -p .tmp

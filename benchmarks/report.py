@@ -35,6 +35,7 @@ SECTIONS = {
         "gpu_check",
     ],
     "simulate": ["simulate_scale"],
+    "notebooks": ["notebook_times"],
 }
 #: Benchmarks with no results file yet, and why.
 NOT_MEASURED = {"gpu_check": "tokens/s and MFU of a GPT in bf16 on one GPU: needs a GPU"}
