@@ -127,7 +127,11 @@ def main():
         3,
     )
     rec.figure(
-        "restart with no spares prepared", [r["restart_cold_s"] for r in rows], "s", digits=3
+        "restart with no spares prepared",
+        [r["restart_cold_s"] for r in rows],
+        "s",
+        "<= 2.5",  # the budget holds without spares too on an idle machine
+        3,
     )
     rec.save()
 
