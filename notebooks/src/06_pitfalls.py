@@ -101,9 +101,9 @@ print("sum over K micro-batches of grad(loss / K) == grad of the big batch's los
 # Memory is often said to be free, since each micro-batch's activations are freed by its
 # backward. Measured, as the peak of live tensors on rank 0 for a 4-block GPT (3 steps
 # each): one micro-batch per step, 16 accumulated, and the same 16 sequences as one
-# micro-batch. (Under FSDP2's ZeRO-2/3 a rank reduce-scatters once per step, so it holds
-# the *full* gradients of every block through the accumulation, not its shard: the
-# difference between the two is what to expect on top under ZeRO-3.)
+# micro-batch. (Under FSDP2's ZeRO-2/3 a rank reduce-scatters once per step, so through
+# the accumulation it holds the *full* gradients of every block, as DDP does, not its
+# shard.)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -134,6 +134,29 @@ Markdown(f"Accumulating 16 micro-batches raised the peak by **{fmt(rise['ddp'])}
 # %%
 for s in ("ddp", "zero3"):
     assert 0 < peak[s, "micro 1 x accum 16"] - peak[s, "micro 1"] < peak[s, "micro 16"] - peak[s, "micro 1"]
+
+# %% [markdown]
+# Where does the rise come from? Not from DDP's buckets or `no_sync`: the same two runs in
+# one process, with no communication at all, show it too. With one micro-batch per step the
+# gradients are `None` until backward makes them, and backward frees the activations as it
+# goes, so the two never peak together. With accumulation, the gradients of the earlier
+# micro-batches are alive while the next micro-batch's forward holds its activations.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+one = {name: pool.train(nbpar.TrainConfig(strategy="single", micro_batch=1, grad_accum=k, **four)).result()["ranks"][0]
+       for name, k in (("micro 1", 1), ("micro 1 x accum 16", 16))}
+r = one["micro 1 x accum 16"]
+held = r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"] + r["activation_bytes"]
+Markdown(f"One process: accumulating 16 raised the peak by "
+         f"**{fmt(r['peak_bytes'] - one['micro 1']['peak_bytes'])}** (DDP: {fmt(rise['ddp'])}). "
+         f"Its peak, {fmt(r['peak_bytes'])}, is parameters + full gradients + optimizer state + "
+         f"one micro-batch's activations ({fmt(held)}) plus {fmt(r['peak_bytes'] - held)} of "
+         f"temporaries.")
+
+# %%
+assert one["micro 1 x accum 16"]["peak_bytes"] > one["micro 1"]["peak_bytes"]
+assert held <= r["peak_bytes"] < held + r["activation_bytes"]  # all four alive at once
 
 # %% [markdown]
 # ## 2 · A starved data loader
@@ -246,8 +269,9 @@ pool.shutdown()
 # - A global batch of 2 made the loss jump from step to step; accumulating 16
 #   micro-batches smoothed it (the printed roughness) with one all-reduce per optimizer
 #   step, and the accumulated gradient equals the big batch's exactly.
-# - Accumulation is not free in memory: it raised the measured peak under DDP and
-#   ZeRO-3, but by less than the same samples as one micro-batch.
+# - Accumulation is not free in memory: it raised the measured peak under DDP, ZeRO-3
+#   and in one process alike (the gradients stay alive through the next micro-batch's
+#   forward), but by less than the same samples as one micro-batch.
 # - A loader that decodes in Python starves the loop; workers, persistent workers with
 #   prefetching, and above all a packed memory-mapped file raised the throughput (a
 #   timing: the order matters, not the numbers).
