@@ -13,6 +13,10 @@ A V, forward + backward) of L layers at sequence length s and width d. The
 peak comes from nbpar.device.peak_flops_hint (H100 SXM / H200 989, A100 312
 TFLOP/s dense bf16) or --peak-tflops.
 
+Each run also sets nbpar's tracked memory beside the CUDA allocator's at the metered
+step (``allocator``: tracked peak / allocator peak, model states / allocated), the
+cross-check of the measured memory figures on a GPU.
+
 Two ranks on one GPU: nccl refuses two ranks on the same device ("Duplicate
 GPU detected"), and nbpar's gloo engines compute on CPU, so that form is
 reported as skipped, not measured. ``--dry-run`` runs 2 steps of a tiny
@@ -80,6 +84,34 @@ def _init_world_of_one(backend: str) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
+def allocator_check(history: list[dict]) -> dict:
+    """nbpar's tracked memory beside the CUDA caching allocator's, at the metered step.
+
+    ``tracked_peak_bytes`` is `nbpar.train.memtrack`'s peak of live storages during the
+    metered step; ``device_peak_bytes`` the allocator's peak since the run began (so it
+    also covers the steps before it: the first creates the optimizer state) and
+    ``device_allocated_bytes`` what it holds after the step, beside the model states
+    nbpar counts then. The allocator rounds each block up (512 B) and holds cuBLAS/NCCL
+    workspaces nbpar does not see, so its figures are expected a little higher; a ratio
+    far from 1 is what to look into. On a CPU the device figures are None.
+    """
+    metered = [r for r in history if r.get("tracked_peak_bytes") is not None]
+    if not metered:
+        return {"error": "no metered step in the history (run at least 3 steps)"}
+    r = metered[0]
+    states = r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"]
+    peak, held = r.get("device_peak_bytes"), r.get("device_allocated_bytes")
+    return {
+        "step": r["step"],
+        "tracked_peak_bytes": r["tracked_peak_bytes"],
+        "device_peak_bytes": peak,
+        "peak_ratio": r["tracked_peak_bytes"] / peak if peak else None,
+        "states_bytes": states,
+        "device_allocated_bytes": held,
+        "states_ratio": states / held if held else None,
+    }
+
+
 def measure(strategy: str, args, fpt: int, peak: float | None) -> dict:
     """Train ``args.steps`` steps of one strategy; tokens/s over the steps after warm-up."""
     from nbpar.config import GPTConfig, TrainConfig
@@ -110,6 +142,7 @@ def measure(strategy: str, args, fpt: int, peak: float | None) -> dict:
         "tflops": achieved / 1e12,
         "mfu": achieved / peak if peak else None,
         "peak_bytes": res["peak_bytes"],
+        "allocator": allocator_check(res["history"]),
         "losses": res["losses"],
     }
 

@@ -203,3 +203,32 @@ def test_gpu_check_dry_run_prints_one_json_object_on_cpu():
     # world size 1: ddp is the single-process computation
     assert res["runs"][0]["losses"] == pytest.approx(res["runs"][1]["losses"], rel=1e-5)
     assert "duplicate GPU" in res["shared_gpu"]["skipped"]
+    for run in res["runs"]:  # a CPU has no allocator figures; the tracked ones are there
+        check = run["allocator"]
+        assert check["step"] == 1 and check["tracked_peak_bytes"] > check["states_bytes"] > 0
+        assert check["device_peak_bytes"] is check["peak_ratio"] is None
+
+
+def test_gpu_check_sets_tracked_memory_beside_the_allocators():
+    import importlib
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        allocator_check = importlib.import_module("gpu_check").allocator_check
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    states = dict(param_bytes=100, grad_bytes=100, optim_bytes=200)
+    history = [
+        dict(step=0, **states, device_peak_bytes=900, device_allocated_bytes=500),
+        dict(
+            step=2,
+            **states,
+            tracked_peak_bytes=800,
+            device_peak_bytes=1000,
+            device_allocated_bytes=500,
+        ),
+    ]
+    check = allocator_check(history)
+    assert check["step"] == 2 and check["states_bytes"] == 400
+    assert check["peak_ratio"] == 0.8 and check["states_ratio"] == 0.8
+    assert "no metered step" in allocator_check(history[:1])["error"]
