@@ -174,3 +174,20 @@ def test_module_import_stays_light():
         cwd=str(__import__("pathlib").Path(__file__).parents[1]),
     )
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_every_zero_key_deepspeed_reads_is_accepted():
+    """ZERO_KEYS holds every field and alias of the installed DeepSpeed's
+    DeepSpeedZeroConfig, so no key DeepSpeed reads is refused as a typo."""
+    code = (
+        "import os, json; os.environ.setdefault('DS_ACCELERATOR', 'cpu'); "
+        "from deepspeed.runtime.zero.config import DeepSpeedZeroConfig as C; "
+        "print(json.dumps(sorted({n for name, f in C.model_fields.items() "
+        "for n in (name, f.alias) if n})))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    deepspeed_reads = set(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert len(deepspeed_reads) > 40  # the model's fields really were read
+    from nbpar.parallel.ds_keys import ZERO_KEYS
+
+    assert deepspeed_reads - set(ZERO_KEYS) == set()
