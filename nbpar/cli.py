@@ -266,10 +266,15 @@ def _human(out: dict) -> str:
         return "-" if v is None else format_bytes(v)
 
     cfg = out["config"]
+    comm = f"communication in flight {out['comm_fraction']:.0%} of the step"
+    if out.get("exposed_comm_fraction") is not None:  # the metered step's split
+        comm += f" (exposed {out['exposed_comm_fraction']:.0%}"
+        if out.get("comm_wait_fraction") is not None:
+            comm += f", waiting for a slower rank {out['comm_wait_fraction']:.0%}"
+        comm += ")"
     lines = [
         f"{cfg['strategy']}/{cfg['backend']} {cfg['model']}: {len(out['losses'])} steps, "
-        f"final loss {out['losses'][-1]:.4f}, step {out['step_time_s'] * 1e3:.1f} ms, "
-        f"communication {out['comm_fraction']:.0%} of the step"
+        f"final loss {out['losses'][-1]:.4f}, step {out['step_time_s'] * 1e3:.1f} ms, {comm}"
         + ("" if out.get("bubble_fraction") is None else f", bubble {out['bubble_fraction']:.0%}"),
         f"{'rank':>4} {'params':>10} {'grads':>10} {'optimizer':>10} {'activations':>11} "
         f"{'peak':>10} {'process':>10} {'sent/step':>10}",

@@ -104,6 +104,9 @@ def test_train_for_people_shows_progress_and_a_table():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     assert lines[0].startswith("ddp/torch simple_cnn: 4 steps, final loss ")
+    # in flight, and of it what compute did not hide and the wait for a slower rank
+    assert "communication in flight " in lines[0] and "(exposed " in lines[0]
+    assert ", waiting for a slower rank " in lines[0]
     assert lines[1].split() == [
         "rank",
         "params",
