@@ -81,7 +81,9 @@ if rank == 0:
 # ## `DistributedSampler` and why `set_epoch` matters
 #
 # The sampler shuffles the indices with a seed and hands rank *r* every *world*-th of
-# them, so the ranks never see the same sample in one epoch. The shuffle is seeded with
+# them, so the ranks never see the same sample in one epoch (when the data set divides
+# by the world size, as 1,000 by 2 here; otherwise the sampler pads by repeating a few
+# indices, or drops the tail with `drop_last=True`). The shuffle is seeded with
 # `seed + epoch`: if you never call `sampler.set_epoch(epoch)`, the epoch stays 0 and
 # **every epoch repeats the same order**. Here are the first indices each rank would
 # see in three epochs, without and with `set_epoch`:
@@ -183,8 +185,9 @@ cfg = nbpar.TrainConfig(model="simple_cnn", strategy="ddp", micro_batch=16, step
 run = pool.train(cfg).wait()
 res = run.result()
 print(nbpar.train.data.global_batch_line(cfg.micro_batch, cfg.grad_accum, pool.n))
-print("first losses:", [round(x, 2) for x in res["losses"][:3]])
-print("last losses: ", [round(x, 2) for x in res["losses"][-3:]])
+first, last = sum(res["losses"][:3]) / 3, sum(res["losses"][-3:]) / 3
+print(f"mean loss of the first 3 steps {first:.1f}, of the last 3 {last:.1f}")
+assert last < first / 3
 
 # %%
 nbpar.view.plots.plot_losses(run, labels=["ddp, 2 ranks"])

@@ -23,7 +23,8 @@
 # applies FSDP2, tensor parallelism and the pipeline cut exactly as a training run does,
 # runs a warm-up and a measured step, and meters the step with the same tools
 # `pool.train` uses. One rank of each role is simulated: every rank of a data- or
-# tensor-parallel group holds the same, each pipeline stage differs.
+# tensor-parallel group holds an equal share (except ZeRO-1's optimizer state, below),
+# each pipeline stage differs.
 #
 # Sizes print in decimal GB, as the papers' tables do.
 #
@@ -112,18 +113,35 @@ assert fits["zero3"] and not fits["ddp"]
 # %%
 gpt7 = nbpar.GPTConfig(d_model=8192, n_layers=9, n_heads=64, vocab_size=16000, seq_len=16)
 rows = zero_table(7.5e9, dp=64, precision="mixed")
+sims = {}
 for row, strategy in zip(rows, ("ddp", "zero1", "zero2", "zero3")):
-    sim = nbpar.simulate(nbpar.TrainConfig(strategy=strategy, gpt=gpt7, micro_batch=1,
-                                           precision="mixed"), 64)
+    sims[strategy] = sim = nbpar.simulate(
+        nbpar.TrainConfig(strategy=strategy, gpt=gpt7, micro_batch=1, precision="mixed"), 64)
     print(f"{row['name']:9s} paper {row['total_gb']:6.1f} GB   simulated {strategy:5s} "
           f"{gb(states(sim['ranks'][0]))}")
+
+# %%
+import torch
+
+from nbpar.train.models import build_model
+
+n_params = sims["ddp"]["ranks"][0]["param_bytes"] // 4  # fp32 weights, unsharded
+with torch.device("meta"):  # shapes only
+    biggest = max(p.numel() for p in build_model(nbpar.TrainConfig(gpt=gpt7)).parameters())
+print(f"ZeRO-1, rank 0: Adam state {gb(sims['zero1']['ranks'][0]['optim_bytes']).strip()}; "
+      f"an even 64th of it would be {gb(8 * n_params / 64).strip()}; the largest single "
+      f"weight has {biggest / 1e6:.0f}M parameters ({gb(8 * biggest).strip()} of Adam state)")
+assert sims["zero1"]["ranks"][0]["optim_bytes"] == 8 * biggest
 
 # %% [markdown]
 # Baseline and P_os+g+p agree: torch holds what the paper assumes, 16 bytes a parameter
 # (fp32 weights, gradients and Adam moments under autocast instead of 16-bit copies plus an
-# fp32 master, the same total). ZeroRedundancyOptimizer holds *more* than P_os: autocast
-# keeps the weights and gradients in fp32 (8 bytes a parameter unsharded, where the paper
-# has 4). FSDP2's ZeRO-2 holds *less* than P_os+g between steps: it reshards the
+# fp32 master, the same total). ZeroRedundancyOptimizer holds *more* than P_os, for two
+# reasons: autocast keeps the weights and gradients in fp32 (8 bytes a parameter
+# unsharded, where the paper has 4), and it hands *whole* tensors to ranks, largest
+# first, each to the least-loaded rank: rank 0 holds the Adam state of one of the largest
+# weights, more than an even 64th (printed above; other ranks hold less, some almost
+# nothing). FSDP2's ZeRO-2 holds *less* than P_os+g between steps: it reshards the
 # parameters after backward, so at rest it is ZeRO-3 (it differs in forward, where it
 # keeps them gathered).
 #
@@ -152,14 +170,17 @@ acts = [r["activation_bytes"] for r in big["ranks"]]
 assert acts == sorted(acts, reverse=True)  # under 1F1B stage i holds p - i micro-batches
 
 # %% [markdown]
-# Each rank holds 1/32 of the decoder layers (tp 8 x pp 4) whole: the dp replicas
-# all-reduce their gradients (DDP's math), so its states are 16 bytes a parameter of its
-# share. The first stage also keeps the embedding and the last the head, each 1.05B
-# parameters that transformers' tensor-parallel plan leaves whole on every tp rank, which
-# is why the end stages hold half again as much as the middle ones. The first stage
-# keeps the most activations: under 1F1B stage i holds p - i micro-batches at once.
-# Sharding over dp as well (`fsdp_reshard=True`, ZeRO-3 on each stage) would divide the
-# states by another 32.
+# Each rank holds 1/32 of the decoder-layer parameters: a tp-8 shard of its stage's 20
+# of the 80 layers. The dp replicas all-reduce their gradients (DDP's math), so its
+# states are 16 bytes a parameter of that share. The first stage also keeps the
+# embedding and the last the head, each 1.05B parameters that nbpar leaves whole on
+# every tp rank (it applies transformers' `base_model_tp_plan`, which covers the decoder
+# layers; `LlamaForCausalLM`'s own plan would also split `lm_head` by columns), which is
+# why the end stages hold half again as much as the middle ones. The first stage keeps
+# the most activations: under 1F1B stage i holds p - i micro-batches at once. When the
+# states are the problem, shard over dp as well (`fsdp_reshard=True`, ZeRO-3 on each
+# stage): FSDP2 then splits each stage's parameters, gradients and optimizer state over
+# its 32 dp ranks.
 
 # %% [markdown]
 # **Takeaway.**
