@@ -258,6 +258,10 @@ def cmd_bench(args) -> dict:
 
 def _human(out: dict) -> str:
     """A table for people: per-rank memory, step time, communication, final loss."""
+    if "layouts" in out or ("ranks" in out and "stands_for" in out["ranks"][0]):
+        from nbpar.simulate.cli import human
+
+        return human(out)  # nbpar simulate
     if "ranks" not in out or "losses" not in out:
         return json.dumps(out, indent=2)
     from nbpar.estimate import format_bytes

@@ -208,6 +208,37 @@ def test_cli_json_contract_and_fit(capsys):
     assert res["config"]["gpt"]["d_model"] == 64
 
 
+def test_cli_for_people_prints_tables(capsys):
+    from nbpar.estimate import format_bytes
+
+    sizes = json.dumps({"d_model": 32, "n_layers": 2})
+    argv = ["--strategy", "hybrid", "--world-size", "4", "--dp", "1", "--tp", "2", "--pp", "2"]
+    code, out, _ = _cli(capsys, *argv, "--model-config", sizes, "--json")
+    res = json.loads(out)
+    code, out, _ = _cli(capsys, *argv, "--model-config", sizes, "--device-memory", "80")
+    lines = out.strip().splitlines()
+    assert code == 0 and lines[0].startswith(
+        "hybrid/torch tiny_gpt on 4 ranks (dp 1 x tp 2 x pp 2)"
+    )
+    assert "fits in 80.0 GB: yes" in lines[0]
+    assert lines[1].split() == [
+        "ranks", "params", "grads", "optimizer", "activations", "peak", "sent/step"
+    ]  # fmt: skip
+    # one row per simulated role, labelled by the ranks it stands for, with the figures
+    assert [line.split()[0] for line in lines[2:]] == ["0-1", "2-3"]
+    for line, rank in zip(lines[2:], res["ranks"]):
+        assert format_bytes(rank["peak_bytes"]).replace(" ", "") in line.replace(" ", "")
+    code, out, _ = _cli(
+        capsys, "--world-size", "8", "--model-config", sizes, "--device-memory", "80",
+        "--what-fits",
+    )  # fmt: skip
+    lines = out.strip().splitlines()
+    assert code == 0 and lines[0] == "what fits on 8 devices of 80 GB"
+    rows = {line.split()[0]: line for line in lines[2:]}
+    assert rows["zero3"].split()[1:4] == ["8", "1", "1"] and " yes " in rows["zero3"]
+    assert "refused: tp=8 must divide gpt.n_heads=4" in rows["tp"]
+
+
 def test_what_fits_lists_strategies_with_margin():
     gpt = nbpar.GPTConfig(d_model=64, n_heads=4, n_layers=4, seq_len=16)
     cfg = nbpar.TrainConfig(gpt=gpt, micro_batch=2)

@@ -101,3 +101,54 @@ def run(args) -> dict:
             "layouts": what_fits(cfg, args.world_size, args.device_memory),
         }
     return dict(simulate(cfg, args.world_size, device_memory_gb=args.device_memory))
+
+
+def human(out: dict) -> str:
+    """What ``nbpar simulate`` prints without ``--json``: a table per simulated role, or
+    with ``--what-fits`` one row per layout."""
+    from nbpar.estimate import format_bytes
+    from nbpar.simulate.roles import describe
+
+    def size(v):
+        return "-" if v is None else format_bytes(v)
+
+    if "layouts" in out:
+        lines = [
+            f"what fits on {out['world_size']} devices of {out['device_memory_gb']:g} GB",
+            f"{'strategy':>8} {'dp':>4} {'tp':>4} {'pp':>4} {'peak':>10} {'fits':>5} "
+            f"{'margin':>10}",
+        ]
+        for r in out["layouts"]:
+            if "error" in r:  # this layout cannot run the model: say why
+                lines.append(f"{r['strategy']:>8} refused: {r['error']}")
+                continue
+            lines.append(
+                f"{r['strategy']:>8} {r['dp']:>4} {r['tp']:>4} {r['pp']:>4} "
+                f"{size(r['peak_bytes']):>10} {'yes' if r['fits'] else 'no':>5} "
+                f"{('' if r['margin_bytes'] >= 0 else '-') + size(abs(r['margin_bytes'])):>10}"
+            )
+        return "\n".join(lines)
+    cfg = out["config"]
+    head = (
+        f"{cfg['strategy']}/{cfg['backend']} {cfg['model']} on {cfg['world_size']} ranks "
+        f"(dp {cfg['dp']} x tp {cfg['tp']} x pp {cfg['pp']}), simulated in {out['seconds']:.1f} s"
+    )
+    if out.get("fits") is not None:
+        margin = out["margin_bytes"]
+        head += (
+            f"; fits in {size(out['device_memory_bytes'])}: {'yes' if out['fits'] else 'no'}, "
+            f"margin {'' if margin >= 0 else '-'}{size(abs(margin))}"
+        )
+    lines = [
+        head,
+        f"{'ranks':>12} {'params':>10} {'grads':>10} {'optimizer':>10} {'activations':>11} "
+        f"{'peak':>10} {'sent/step':>10}",
+    ]
+    for r in out["ranks"]:
+        lines.append(
+            f"{describe(r['stands_for']):>12} {size(r['param_bytes']):>10} "
+            f"{size(r['grad_bytes']):>10} {size(r['optim_bytes']):>10} "
+            f"{size(r.get('activation_bytes')):>11} {size(r['peak_bytes']):>10} "
+            f"{size(r.get('comm_bytes')):>10}"
+        )
+    return "\n".join(lines)
