@@ -262,6 +262,18 @@ def _human(out: dict) -> str:
         from nbpar.simulate.cli import human
 
         return human(out)  # nbpar simulate
+    if "per_rank_bytes" in out:  # nbpar estimate
+        from nbpar.estimate import format_bytes
+
+        b = out["per_rank_bytes"]
+        n = out["world_size"]
+        where = f"{n} rank{'s' * (n != 1)} (dp {out['dp']} x tp {out['tp']} x pp {out['pp']})"
+        return (
+            f"{out['strategy']} on {where}, {out['optimizer']}, {out['precision']} precision, "
+            f"offload {out['offload']}: {out['params'] / 1e9:.3g}B parameters\n"
+            f"per rank: params {format_bytes(b['params'])}, grads {format_bytes(b['grads'])}, "
+            f"optimizer {format_bytes(b['optim'])}, total {format_bytes(b['total'])}"
+        )
     if "ranks" not in out or "losses" not in out:
         return json.dumps(out, indent=2)
     from nbpar.estimate import format_bytes

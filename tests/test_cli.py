@@ -62,6 +62,15 @@ def test_estimate_json_is_the_classic_table():
     assert doc["per_rank_bytes"]["total"] == 208e9
 
 
+def test_estimate_for_people_is_two_lines():
+    out = nbpar("estimate", "--params", "13e9", "--world-size", "1", "--strategy", "single")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "single on 1 rank (dp 1 x tp 1 x pp 1), adam, fp32 precision, offload none: 13B parameters",
+        "per rank: params 52.0 GB, grads 52.0 GB, optimizer 104.0 GB, total 208.0 GB",
+    ]
+
+
 def test_estimate_degrees_default_like_train():
     out = nbpar("estimate", "--params", "1e9", "--world-size", "4", "--strategy", "tp", "--json")
     assert out.returncode == 0, out.stderr
