@@ -10,7 +10,7 @@ import pytest
 
 import nbpar
 from nbpar.estimate import comm_bytes_per_step
-from nbpar.train.comm import functional_moved_bytes, moved_bytes
+from nbpar.train.comm import functional_moved_bytes, moved_bytes, step_shares
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -120,7 +120,22 @@ def test_every_strategy_reports_its_communication_time(data_parallel, pool):
         for r in ranks:
             assert r["comm_bytes"] > 0, name
             assert r["comm_s"] > 0, name
-            assert 0 <= r["exposed_comm_s"] <= r["comm_s"] + 1e-9, name
+            # exposed and waiting are disjoint parts of the time in flight, of one step
+            assert 0 <= r["exposed_comm_s"] + r["comm_wait_s"] <= r["comm_s"] + 1e-9, name
+    res = pool.train(nbpar.TrainConfig(steps=4, strategy="ddp", micro_batch=1)).result()
+    parts = res["exposed_comm_fraction"] + res["comm_wait_fraction"]
+    assert 0 < parts <= res["comm_fraction"] + 1e-12 <= 1 + 1e-12
+
+
+def test_step_shares_are_parts_of_a_whole():
+    # within a normal step: plain shares
+    assert step_shares(0.5, 0.1, 0.2, 1.0) == pytest.approx((0.5, 0.1, 0.2))
+    # a metered step whose wait stretched past a normal step: scaled together
+    assert step_shares(2.0, 0.6, 1.0, 1.0) == pytest.approx((1.0, 0.3, 0.5))
+    # the parts never exceed the whole, whatever the clocks said
+    in_flight, exposed, wait = step_shares(0.3, 0.25, 0.2, 1.0)
+    assert (exposed, wait) == pytest.approx((0.25, 0.05)) and exposed + wait <= in_flight
+    assert step_shares(None, None, None, 1.0) == step_shares(0.5, 0.1, 0.1, 0.0) == (0, 0, 0)
 
 
 def _late_partner(rank, world, overlap):

@@ -29,7 +29,7 @@ from nbpar.config import TrainConfig
 from nbpar.parallel import build_runner
 from nbpar.parallel.mesh import cached_mesh
 from nbpar.train import checkpoint
-from nbpar.train.comm import CommMeter, exchange_launches
+from nbpar.train.comm import CommMeter, exchange_launches, step_shares
 from nbpar.train.data import build_loader
 from nbpar.train.memtrack import StepMemory
 from nbpar.train.metrics import CommTimer, memory_snapshot, step_peak_bytes
@@ -100,16 +100,6 @@ def is_metered(step: int, start: int, steps: int) -> bool:
     """Whether ``step`` of a run over steps ``start .. steps-1`` is metered."""
     first = min(start + 2, steps - 1)
     return step >= first and (step - first) % METER_EVERY == 0
-
-
-def _median(records: list[dict], key: str) -> float | None:
-    values = [r[key] for r in records if r.get(key) is not None]
-    return statistics.median(values) if values else None
-
-
-def _share(seconds, step: float) -> float:
-    """``seconds`` as a share of a step of ``step`` seconds, in [0, 1]."""
-    return min(1.0, seconds / step) if step > 0 and seconds is not None else 0.0
 
 
 def run_training(
@@ -269,6 +259,11 @@ def _loop(
         or [r["step_time_s"] for r in history]
         or [0.0]
     )
+    by_flight = sorted(metered_recs, key=lambda r: r.get("comm_in_flight_s") or 0.0)
+    pick = by_flight[(len(by_flight) - 1) // 2] if by_flight else {}
+    shares = step_shares(
+        pick.get("comm_in_flight_s"), pick.get("exposed_comm_s"), pick.get("comm_wait_s"), step_s
+    )
     bubble = getattr(runner, "bubble_fraction", None)
     forced = getattr(runner, "schedule_bubble_fraction", None)
     return {
@@ -289,21 +284,18 @@ def _loop(
         "comm_bytes_by_op": comm.by_op() if comm is not None else None,
         # communication of the metered step, whatever strategy launched it: seconds with an
         # op in flight, the part no compute hid once every rank had joined (exposed), and
-        # the part spent waiting for a slower rank to join (wait), as shares of a normal
-        # step (the median above: the metered step itself runs several times slower,
-        # every op passing through Python, while its collectives run at their own speed)
-        "comm_s": _median(metered_recs, "comm_in_flight_s"),
-        "exposed_comm_s": _median(metered_recs, "exposed_comm_s"),
-        "comm_wait_s": _median(metered_recs, "comm_wait_s"),
-        "comm_wait_fraction": _share(_median(metered_recs, "comm_wait_s"), step_s)
-        if metered_recs
-        else None,
-        "comm_fraction": _share(_median(metered_recs, "comm_in_flight_s"), step_s)
+        # the part spent waiting for a slower rank to join (wait), taken from one metered
+        # step (the median by in-flight time), and as shares of a normal step (the median
+        # above: the metered step itself runs several times slower, every op passing
+        # through Python; `comm.step_shares` says how the shares stay parts of a whole)
+        "comm_s": pick.get("comm_in_flight_s"),
+        "exposed_comm_s": pick.get("exposed_comm_s"),
+        "comm_wait_s": pick.get("comm_wait_s"),
+        "comm_fraction": shares[0]
         if metered_recs
         else (min(1.0, total_comm / total_step) if total_step > 0 else 0.0),
-        "exposed_comm_fraction": _share(_median(metered_recs, "exposed_comm_s"), step_s)
-        if metered_recs
-        else None,
+        "exposed_comm_fraction": shares[1] if metered_recs else None,
+        "comm_wait_fraction": shares[2] if metered_recs else None,
         "bubble_fraction": bubble() if callable(bubble) else None,
         # the part of the bubble the schedule forces with the measured stage times
         "schedule_bubble_fraction": forced() if callable(forced) else None,

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import statistics
 
+from nbpar.train.comm import step_shares
+
 MEMORY_PARTS = ("param_bytes", "grad_bytes", "optim_bytes")
 #: Communication above this share of the step time is worth a look (Megatron-LM
 #: and ZeRO report healthy data/tensor parallel runs well below it).
@@ -83,9 +85,12 @@ def comm_split(
         return 0.0, 0.0, 0.0, 0.0
     last = metered[-1]
     step = statistics.median(normal) if normal else last["step_time_s"]
-    in_flight = min(last.get("comm_in_flight_s") or 0.0, step)
-    exposed = min(last.get("exposed_comm_s") or 0.0, in_flight)
-    wait = min(last.get("comm_wait_s") or 0.0, in_flight - exposed)
+    in_flight, exposed, wait = (
+        share * step
+        for share in step_shares(
+            last.get("comm_in_flight_s"), last.get("exposed_comm_s"), last.get("comm_wait_s"), step
+        )
+    )
     return exposed, wait, in_flight - exposed - wait, step
 
 
