@@ -311,10 +311,11 @@ class MemoryEstimate:
         )
 
     def table(self) -> str:
-        """Human table of GB per rank, one line per key, e.g. 'params 52.0 GB'."""
+        """Human table of GB per rank, one line per key, e.g. 'params 52.00 GB' (two
+        decimals, so the parts of a few-GB estimate visibly add up to its total)."""
         width = max(len(k) for k in self.per_rank_bytes)
         lines = [
-            f"{k:<{width}} {v / GB:.1f} GB" + (" (host, not in total)" if k == "host" else "")
+            f"{k:<{width}} {v / GB:.2f} GB" + (" (host, not in total)" if k == "host" else "")
             for k, v in self.per_rank_bytes.items()
         ]
         return "\n".join([f"Per-rank memory: {self._title()}", *lines])

@@ -27,8 +27,14 @@ def test_classic_table_13b_fp32_adam():
     est = estimate_memory(13e9)
     assert est.per_rank_bytes == {"params": 52e9, "grads": 52e9, "optim": 104e9, "total": 208e9}
     table = est.table()
-    for line in ("params 52.0 GB", "grads  52.0 GB", "optim  104.0 GB", "total  208.0 GB"):
+    for line in ("params 52.00 GB", "grads  52.00 GB", "optim  104.00 GB", "total  208.00 GB"):
         assert line in table
+    # parts shown add up to the total shown (1.3B, mixed, ZeRO-1 on 8: 2.6 + 2.6 + 1.95)
+    shown = {
+        line.split()[0]: float(line.split()[1])
+        for line in estimate_memory(1.3e9, 8, "zero1", precision="mixed").table().splitlines()[1:]
+    }
+    assert round(shown["params"] + shown["grads"] + shown["optim"], 2) == shown["total"]
 
 
 def test_zero_paper_figure1_7_5b_on_64():

@@ -110,13 +110,17 @@ for schedule, per in activations.items():
           f"rank 1 {format_bytes(per[1])}")
 one = activations["gpipe"][0] / 8                     # one micro-batch on stage 0
 print(f"stage 0 holds {activations['gpipe'][0] / one:.0f} micro-batches under GPipe, "
-      f"{activations['1f1b'][0] / one:.0f} under 1F1B")
+      f"{activations['1f1b'][0] / one:.0f} under 1F1B, "
+      f"{activations['interleaved'][0] / activations['1f1b'][0]:.2f}x 1F1B's under interleaving")
 assert activations["1f1b"][0] < activations["gpipe"][0]  # fewer micro-batches in flight
 
 # %% [markdown]
 # GPipe holds all `m = 8` micro-batches' activations on the first stage at its peak;
 # 1F1B holds at most `p` of them, so the same bubble costs less memory. That, not
-# speed, is why 1F1B replaced GPipe.
+# speed, is why 1F1B replaced GPipe. Interleaving starts more forwards before the first
+# backward, so its first stage holds more than 1F1B's: Korthikanti et al. 2022 (Reducing
+# activation recomputation in large transformer models) put the extra at a factor
+# `1 + (p-1)/(p*v)`, 1.25 for p = v = 2 (the printed ratio).
 
 # %% [markdown]
 # ## Bubble vs number of micro-batches
@@ -188,10 +192,11 @@ pool.shutdown()
 #   sends and the work between boxes) but held at most `p` micro-batches' activations on the first
 #   stage where GPipe held all `m` (the printed peaks): that, not speed, is why it
 #   replaced GPipe.
-# - More micro-batches shrank the measured bubble overall from m = 1 (naive model
-#   parallelism) to m = 8, though not at every step of m and not as far as
-#   `(p-1)/(m+p-1)` (the printed figures); the schedule's own share stayed near the
+# - More micro-batches shrank the measured bubble from m = 1 (naive model parallelism)
+#   to m = 8 (whether at every step of m depends on the run: the computed sentence above
+#   says), though not as far as `(p-1)/(m+p-1)`; the schedule's own share stayed near the
 #   formula, the rest is sending and the work between boxes, which weighs at this size.
 # - Each extra micro-batch costs a smaller micro-batch (less efficient kernels) or a
-#   larger global batch; interleaving shrinks the schedule's bubble and multiplies the
-#   sends, a win only where sending is cheap next to a box.
+#   larger global batch; interleaving shrinks the bubble the formula predicts,
+#   `(p-1)/(v*m+p-1)`, but multiplies the sends and holds more activations: a win only
+#   where sending is cheap next to a box (compare the panels' measured bubbles).

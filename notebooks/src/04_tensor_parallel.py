@@ -148,9 +148,11 @@ nbpar.view.plots.plot_loss_difference(tp_losses, single_losses, labels=("tp=2", 
 # %% [markdown]
 # ## What each rank holds and sends
 #
-# Tensor parallelism splits only what the plan splits: the blocks' weight matrices.
-# The embeddings, the norms, the output head and the row-parallel biases stay whole on
-# every rank, which in a model this small is a large share. The estimate counts them
+# Tensor parallelism splits only what the plan splits: in nbpar's plan, the blocks'
+# weight matrices. The embeddings, the norms, the output head and the row-parallel
+# biases stay whole on every rank, which in a model this small is a large share
+# (Megatron-LM also splits the embedding and the output layer along the vocabulary;
+# only norms and row-parallel biases must stay whole). The estimate counts them
 # (`tp_replicated`); Megatron's `Psi / tp` assumes there are none:
 
 # %%
@@ -169,7 +171,9 @@ assert held == estimate_memory(n, 2, "tp", tp_replicated=whole).per_rank_bytes["
 
 # %% [markdown]
 # And what one step sends, counted at the c10d layer: activation all-reduces only (no
-# gradient all-reduce: every rank owns different weights). Megatron's four per block
+# gradient all-reduce: the split weights differ per rank, and the whole ones get the
+# same gradient on every rank, since every rank sees the same batch and f and g give
+# each the full activations and input gradients). Megatron's four per block
 # (two forward, two backward) each move `2 (tp-1)/tp` of a `batch x seq x d_model`
 # activation; nbpar's separate `wq`, `wk`, `wv` projections each need their input's
 # gradient summed in backward, which adds two per block:
@@ -197,7 +201,7 @@ pool.shutdown()
 # - Each rank stored a slice of every block matrix (the printed local shapes), and the
 #   split model's logits and gradient shards matched one process; `strategy="tp"`
 #   trained to the losses of `strategy="single"`, step for step.
-# - The embeddings, norms and head stay whole on every rank: the parameters rank 0 held
+# - In nbpar's plan the embeddings, norms and head stay whole on every rank: the parameters rank 0 held
 #   matched the estimate that counts them, above the paper's `Psi / tp`.
 # - A step sent activation all-reduces only, in every block, forward and backward, as
 #   counted at the c10d layer: tensor parallelism belongs where ranks share fast links,

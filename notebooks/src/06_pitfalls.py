@@ -101,9 +101,10 @@ print("sum over K micro-batches of grad(loss / K) == grad of the big batch's los
 # Memory is often said to be free, since each micro-batch's activations are freed by its
 # backward. Measured, as the peak of live tensors on rank 0 for a 4-block GPT (3 steps
 # each): one micro-batch per step, 16 accumulated, and the same 16 sequences as one
-# micro-batch. (Under FSDP2's ZeRO-2/3 a rank reduce-scatters once per step, so through
-# the accumulation it holds the *full* gradients of every block, as DDP does, not its
-# shard.)
+# micro-batch. (FSDP2 reduce-scatters after every backward by default; nbpar turns its
+# gradient sync off, `set_requires_gradient_sync(False)`, until the last micro-batch, so
+# a ZeRO-2/3 rank reduce-scatters once per step and through the accumulation holds the
+# *full* gradients of every block, as DDP does, not its shard.)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -214,8 +215,10 @@ ax.figure
 # waiting for the slower rank to join the collective (`comm_wait_fraction`) and the rest
 # (`exposed_comm_fraction`). In flight includes communication that overlaps backward
 # (DDP's buckets all-reduce while later layers still compute); the 20% rule of thumb is
-# about the exposed share. Waiting is imbalance between ranks, not communication. A 1-sample micro-batch of the
-# small GPT is a textbook case: the step is mostly all-reduce latency. Accumulating 16
+# about the exposed share. Waiting is imbalance between ranks, not communication. All
+# three are shares of a normal step, and parts of one whole: exposed and waiting lie
+# within the time in flight. A 1-sample micro-batch of the small GPT is a textbook
+# case: a step with little compute per all-reduce. Accumulating 16
 # micro-batches per all-reduce adds 15 forward and backward passes of compute to the
 # same one all-reduce, so communication takes a smaller share of a (longer) step.
 
@@ -275,9 +278,9 @@ pool.shutdown()
 # - A loader that decodes in Python starves the loop; workers, persistent workers with
 #   prefetching, and above all a packed memory-mapped file raised the throughput (a
 #   timing: the order matters, not the numbers).
-# - With a 1-sample micro-batch about half of every step had the all-reduce in flight
-#   (DDP's hook); accumulating 16 micro-batches per all-reduce cut that share (the
-#   printed figures). The metered split keeps a rank's wait for its slower peer apart
+# - With a 1-sample micro-batch a large share of every step had the all-reduce in
+#   flight (DDP's hook); accumulating 16 micro-batches per all-reduce cut that share
+#   (the printed figures). The metered split keeps a rank's wait for its slower peer apart
 #   from exposed communication: the wait is imbalance, not bandwidth. Above ~20% exposed
 #   communication, give each rank more work per all-reduce, overlap it with backward, or
 #   use faster links.

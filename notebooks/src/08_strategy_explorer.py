@@ -90,7 +90,8 @@ board.figure
 # Four runs of the same model, seed and global batch: plain DDP, ZeRO-1 (optimizer
 # states sharded with `ZeroRedundancyOptimizer`), ZeRO-2 (FSDP2 keeping parameters
 # after forward: gradients and optimizer states sharded) and tensor parallelism. The
-# data-parallel ones see identical batches and give *identical* losses. The tensor-parallel
+# data-parallel ones see identical batches and give the same losses, up to the order of
+# float additions (within 1e-5, asserted). The tensor-parallel
 # run feeds the same 8-sample micro-batch to both ranks, so its global batch is 8
 # instead of 16 and its losses differ.
 
@@ -118,7 +119,8 @@ for row in comparison.table:
 # %% [markdown]
 # What each rank sends per step is exact too, counted at the c10d layer, next to the
 # theory: DDP all-reduces the gradients (2 Psi (N-1)/N of ring traffic); torch's ZeRO-1
-# all-reduces them too, then broadcasts the updated parameters (3 Psi); FSDP2's ZeRO-2
+# all-reduces them too, then broadcasts the updated parameters (3 Psi (N-1)/N, 1.5x
+# DDP); FSDP2's ZeRO-2
 # reduce-scatters gradients and all-gathers parameters; tensor parallelism sends no
 # gradients at all, only activation all-reduces inside every block:
 
@@ -144,7 +146,8 @@ for name, run in runs.items():
 # and the communication time: the share of the step with a collective in flight and the
 # share no compute hid (exposed), which the figure plots against the 20% line. Those
 # are timings, different on every run. A rank's wait for its slower peer inside a
-# collective is kept apart from exposed communication (the orange part of the bar): the
+# collective is kept apart from exposed communication (the orange part of the bar; both
+# are parts of the time in flight, as shares of a normal step): the
 # metered step runs every op through Python and slows the ranks by different amounts, so
 # on a busy 2-core machine the wait can be most of what a small model spends in
 # collectives.
@@ -161,7 +164,7 @@ pool.shutdown()
 #
 # - The picker refused tensor parallelism on `simple_cnn` before anything ran, and
 #   stated the global batch of a valid choice; Run trained it with a live dashboard.
-# - DDP, ZeRO-1 and ZeRO-2 computed identical losses; tensor parallelism, with half
+# - DDP, ZeRO-1 and ZeRO-2 computed the same losses within 1e-5; tensor parallelism, with half
 #   their global batch here, did not.
 # - The bytes each rank holds and sends are exact, and each strategy's matched its model
 #   (within the asserted 10% for the bytes sent): ZeRO shards the states at the cost of

@@ -126,7 +126,7 @@ nbpar.view.plots.plot_loss_difference(script_losses, nbpar_losses,
 #
 # | variable | what it does | when |
 # |---|---|---|
-# | `NCCL_DEBUG=INFO` | prints the topology NCCL found and the transport of every link (`via P2P/NVLink`, `via NET/IB`, `via NET/Socket`) | the first thing to set when a job is slow or hangs |
+# | `NCCL_DEBUG=INFO` | prints the topology NCCL found and the transport of every link (`via P2P/IPC`, `via SHM`, `via NET/IB`, `via NET/Socket`; P2P is the same transport over NVLink or PCIe) | the first thing to set when a job is slow or hangs |
 # | `NCCL_SOCKET_IFNAME=eth0` (or `^docker,lo`) | the IP interfaces NCCL may use for bootstrap and socket traffic | nodes with several interfaces, where NCCL picks a wrong one |
 # | `NCCL_IB_HCA=mlx5_0,mlx5_1` | which InfiniBand adapters (and ports) to use | nodes whose adapters are not all on the compute fabric |
 # | `NCCL_IB_DISABLE=1` | no InfiniBand: inter-node traffic over TCP sockets | debugging a fabric problem; much slower |
@@ -159,8 +159,8 @@ for link, gb_s in links_gb_s.items():
 
 # %% [markdown]
 # These all-reduces sit on the critical path: a layer cannot go on until its all-reduce
-# is done (notebook 04). Over InfiniBand they would cost seconds per step; over NVLink a
-# tenth of that. Hence the rule: **tensor parallelism inside a node** (tp <= GPUs per
+# is done (notebook 04). Over InfiniBand or Ethernet they cost the seconds per step
+# printed above, many times what they cost over NVLink. Hence the rule: **tensor parallelism inside a node** (tp <= GPUs per
 # node), data parallelism (one gradient all-reduce per step, overlapped with backward)
 # and pipeline stages (point-to-point sends at stage boundaries) across nodes; notebook
 # 05 builds such meshes. (Bandwidth is the upper bound: real collectives reach less, and
@@ -274,8 +274,8 @@ ax.legend(fontsize="small")
 fig
 
 # %% [markdown]
-# The clean run's line stays flat; the leaky one climbs steadily, every step by about
-# the size of what it keeps (the measured slopes are in the uncompared cell above). The same check on GPUs reads `device_allocated_bytes`; the dashboard's memory
+# The clean run's line stays flat; the leaky one climbs steadily, every step by a little
+# more than what it keeps (the measured slopes are in the uncompared cell above). The same check on GPUs reads `device_allocated_bytes`; the dashboard's memory
 # panel plots it live.
 #
 # ### Prometheus and Grafana
@@ -381,8 +381,8 @@ print("losses", [round(x, 2) for x in ds_losses])
 
 # %% [markdown]
 # The checkpoint holds one file of fp32 master weights and optimizer state per rank
-# (each rank's half of every flattened parameter group) and one model file whose
-# parameters are empty placeholders:
+# (each rank's half of every flattened parameter group) and one model-states file per
+# rank whose parameters are empty placeholders:
 
 # %%
 step_dir = nbpar.train.checkpoint.resolve(ds_cfg.checkpoint_dir)

@@ -20,8 +20,9 @@
 # notebook cell to the figure that comes back, drawn from the objects of one real run:
 # which backend, how many ranks, which strategy module, what each rank held and sent.
 # Then the six strategies of the earlier notebooks on one model in one pool, and a
-# decision table whose every rule is a number measured here: what each strategy saves
-# in memory and what it costs in bytes sent. Last, the same rules at 7.5B parameters on
+# decision table whose rules rest on numbers measured here: what each strategy saves
+# in memory and what it costs in bytes sent (the pipeline's idle share is the formula's;
+# its measured bubble follows). Last, the same rules at 7.5B parameters on
 # 64 devices, with the estimator, against the ZeRO paper.
 
 # %%
@@ -158,14 +159,15 @@ s = {k: r["states_share"] for k, r in rel.items()}
 c = {k: r["comm_ratio"] for k, r in rel.items()}
 m, p = shapes["pipeline"][1], pool.n  # the pipeline: micro-batches per step, stages
 when = {
-    "ddp": "the model states fit on every device: nothing to gather, the fewest bytes of the "
-    "data-parallel family, overlapped with backward",
+    "ddp": "the model states fit on every device: nothing to gather, no more bytes than any "
+    "data-parallel alternative (FSDP2's ZeRO-2 sends the same), overlapped with backward",
     "zero1": f"the optimizer states do not fit: {s['zero1']:.0%} of DDP's states for "
     f"{c['zero1']:.1f}x its bytes (torch all-reduces, then broadcasts the updated shards)",
     "zero2": f"the gradients do not fit either: {s['zero2']:.0%} of DDP's states for "
     f"{c['zero2']:.1f}x its bytes (FSDP2 also reshards the parameters after backward)",
-    "zero3": f"the parameters do not fit either: {s['zero3']:.0%} of DDP's states for "
-    f"{c['zero3']:.1f}x its bytes, gathered again in every forward and backward",
+    "zero3": f"the parameters do not fit either: {s['zero3']:.0%} of DDP's states between "
+    f"steps, as FSDP2's ZeRO-2, but it also frees the gathered parameters between forward and "
+    f"backward (a lower peak during the step, below), for {c['zero3']:.1f}x DDP's bytes",
     "tp": f"one layer is too big, and the ranks share fast links (one node): {s['tp']:.0%} "
     f"of DDP's states for {c['tp']:.1f}x its bytes, activations that grow with batch x sequence",
     "pipeline": f"the model is too deep and the links are slow (across nodes): "
@@ -255,8 +257,9 @@ pool.shutdown()
 # - Every strategy trained the same model to the same losses; what differs is where the
 #   bytes live and how many move. The table's rules are those measured ratios.
 # - DDP while the states fit; ZeRO-1, -2, -3 as first the optimizer states, then the
-#   gradients, then the parameters do not. The table shows the price of each: ZeRO-3's
-#   saving came with 1.5x DDP's bytes, FSDP2's ZeRO-2 sent what DDP sent.
+#   gradients, then the parameters do not. The table shows the price of each: FSDP2's
+#   ZeRO-2 already held ZeRO-3's share between steps and sent what DDP sent; ZeRO-3's
+#   saving is the lower peak during the step, for 1.5x DDP's bytes.
 # - Tensor parallelism trades memory for activation traffic in every block (keep it
 #   inside a node); the pipeline sent the fewest bytes but idles in its bubble.
 # - At 7.5B on 64 devices only the sharded stages fit 80 GB; the byte ratios are those
