@@ -10,7 +10,8 @@ import pytest
 
 import nbpar
 from nbpar.estimate import comm_bytes_per_step
-from nbpar.train.comm import functional_moved_bytes, moved_bytes, step_shares
+from nbpar.train.comm import functional_moved_bytes, moved_bytes
+from nbpar.train.step_split import step_shares
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -165,9 +165,12 @@ def test_reprs_are_cheap_and_informative():
         est.strategy = "ddp"  # frozen
 
 
-def test_import_is_light():
+@pytest.mark.parametrize("module", ["nbpar.estimate", "nbpar.view.history"])
+def test_import_is_light(module):
+    """The estimator and the step records every figure reads import neither torch nor
+    matplotlib: a kernel that only looks at runs does not pay for them."""
     code = (
-        "import sys, nbpar.estimate; "
+        f"import sys, {module}; "
         "assert 'torch' not in sys.modules and 'matplotlib' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -29,11 +29,12 @@ from nbpar.config import TrainConfig
 from nbpar.parallel import build_runner
 from nbpar.parallel.mesh import cached_mesh
 from nbpar.train import checkpoint
-from nbpar.train.comm import CommMeter, exchange_launches, step_shares
+from nbpar.train.comm import CommMeter, exchange_launches
 from nbpar.train.data import build_loader
 from nbpar.train.memtrack import StepMemory
 from nbpar.train.metrics import CommTimer, memory_snapshot, step_peak_bytes
 from nbpar.train.models import build_model
+from nbpar.train.step_split import step_shares
 
 
 class _Batches:
@@ -287,7 +288,7 @@ def _loop(
         # the part spent waiting for a slower rank to join (wait), taken from one metered
         # step (the median by in-flight time), and as shares of a normal step (the median
         # above: the metered step itself runs several times slower, every op passing
-        # through Python; `comm.step_shares` says how the shares stay parts of a whole)
+        # through Python; `step_split.step_shares` says how the shares stay parts of a whole)
         "comm_s": pick.get("comm_in_flight_s"),
         "exposed_comm_s": pick.get("exposed_comm_s"),
         "comm_wait_s": pick.get("comm_wait_s"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 
-from nbpar.train.comm import step_shares
+from nbpar.train.step_split import step_shares
 
 MEMORY_PARTS = ("param_bytes", "grad_bytes", "optim_bytes")
 #: Communication above this share of the step time is worth a look (Megatron-LM
