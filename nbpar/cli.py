@@ -256,30 +256,37 @@ def cmd_bench(args) -> dict:
     return bench_launch(args.engines, args.reps)
 
 
-def _human(out: dict) -> str:
-    """A table for people: per-rank memory, step time, communication, final loss."""
-    if "layouts" in out or ("ranks" in out and "stands_for" in out["ranks"][0]):
+def _human(command: str, out: dict) -> str:
+    """What a subcommand prints for people (without ``--json``)."""
+    if command == "simulate":
         from nbpar.simulate.cli import human
 
-        return human(out)  # nbpar simulate
-    if "per_rank_bytes" in out:  # nbpar estimate
-        from nbpar.estimate import format_bytes
+        return human(out)
+    if command == "estimate":
+        return _human_estimate(out)
+    if command == "train":
+        return _human_train(out)
+    return json.dumps(out, indent=2)
 
-        b = out["per_rank_bytes"]
-        n = out["world_size"]
-        where = f"{n} rank{'s' * (n != 1)} (dp {out['dp']} x tp {out['tp']} x pp {out['pp']})"
-        return (
-            f"{out['strategy']} on {where}, {out['optimizer']}, {out['precision']} precision, "
-            f"offload {out['offload']}: {out['params'] / 1e9:.3g}B parameters\n"
-            f"per rank: params {format_bytes(b['params'])}, grads {format_bytes(b['grads'])}, "
-            f"optimizer {format_bytes(b['optim'])}, total {format_bytes(b['total'])}"
-        )
-    if "ranks" not in out or "losses" not in out:
-        return json.dumps(out, indent=2)
+
+def _human_estimate(out: dict) -> str:
+    """Two lines: the layout, then the per-rank model states."""
     from nbpar.estimate import format_bytes
 
-    def size(v):
-        return "-" if v is None else format_bytes(v)
+    b = out["per_rank_bytes"]
+    n = out["world_size"]
+    where = f"{n} rank{'s' * (n != 1)} (dp {out['dp']} x tp {out['tp']} x pp {out['pp']})"
+    return (
+        f"{out['strategy']} on {where}, {out['optimizer']}, {out['precision']} precision, "
+        f"offload {out['offload']}: {out['params'] / 1e9:.3g}B parameters\n"
+        f"per rank: params {format_bytes(b['params'])}, grads {format_bytes(b['grads'])}, "
+        f"optimizer {format_bytes(b['optim'])}, total {format_bytes(b['total'])}"
+    )
+
+
+def _human_train(out: dict) -> str:
+    """A table for people: per-rank memory, step time, communication, final loss."""
+    from nbpar.estimate import format_bytes_or_dash as size
 
     cfg = out["config"]
     comm = f"communication in flight {out['comm_fraction']:.0%} of the step"
@@ -319,7 +326,7 @@ def main(argv=None) -> int:
     except UsageError as err:
         print(f"nbpar: error: {err}", file=sys.stderr)
         return 2
-    print(json.dumps(out) if args.json else _human(out))
+    print(json.dumps(out) if args.json else _human(args.command, out))
     return 0
 
 

@@ -39,6 +39,11 @@ def format_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def format_bytes_or_dash(n: float | None) -> str:
+    """`format_bytes`, or "-" for a figure that was not measured (the CLI's tables)."""
+    return "-" if n is None else format_bytes(n)
+
+
 _MEASURED = {"params": "param_bytes", "grads": "grad_bytes", "optim": "optim_bytes"}
 
 
@@ -366,69 +371,3 @@ class MemoryEstimate:
             rel = (m - est) / est if est else (0.0 if m == 0 else math.inf)
             out[key] = {"measured": m, "estimated": est, "rel_error": rel}
         return out
-
-
-def comm_bytes_per_step(
-    strategy: str,
-    *,
-    param_bytes: float,
-    dp: int = 1,
-    tp: int = 1,
-    pp: int = 1,
-    backend: str = "torch",
-    grad_accum: int = 1,
-    activation_bytes: float = 0.0,
-    layers: int = 0,
-    pp_stage: int = 0,
-) -> float:
-    """Bytes one rank sends in one optimizer step, by the ring accounting of the ZeRO
-    paper (all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n of the whole).
-
-    ``param_bytes`` is the whole model's parameter bytes (Psi), ``activation_bytes``
-    one micro-batch's hidden states (b * s * d * element size). The paper's figures
-    are 2 Psi for DDP and ZeRO-1/2 and 3 Psi for ZeRO-3 (times (n-1)/n); the
-    implementations differ where said, as measured at the c10d layer
-    (`nbpar.train.comm`), with K micro-batches per step:
-
-    - torch zero1: ZeroRedundancyOptimizer all-reduces whole gradients, then each rank
-      broadcasts its updated partition: 3 Psi.
-    - torch zero2 (FSDP2 without resharding after forward): parameters are resharded
-      after each backward, so every micro-batch gathers them again: (K + 1) Psi.
-    - torch zero3 (FSDP2): a gather in forward and in backward per micro-batch: (2K + 1) Psi.
-    - deepspeed zero1 / zero2: gradients are averaged with all-reduce, not
-      reduce-scatter (zero2 at every micro-batch), then the updated partitions are
-      all-gathered: 3 Psi / (2K + 1) Psi.
-    - deepspeed zero3: a parameter used again within ``stage3_max_reuse_distance``
-      (default 1e9 elements) stays gathered from forward to backward, so small models
-      gather once per micro-batch and reduce-scatter per micro-batch: 2K Psi.
-    - tp (Megatron, Shoeybi et al. 2019): 2 all-reduces of the hidden states per layer
-      in forward and 2 in backward; nbpar's Q, K and V are three column-parallel
-      Linears, so DTensor reduces the input gradient of each: 6 per layer, per
-      micro-batch.
-    - pipeline: each boundary carries one activation forward and one gradient back per
-      micro-batch; a first or last stage sends K tensors, a middle stage 2K.
-    """
-    _choice("strategy", strategy, STRATEGIES)
-    k = _int("grad_accum", grad_accum)
-    ring = (dp - 1) / dp * param_bytes
-    if strategy == "ddp":
-        return 2 * ring
-    if ZERO_STAGE.get(strategy):
-        times = {
-            ("zero1", "torch"): 3,
-            ("zero2", "torch"): k + 1,
-            ("zero3", "torch"): 2 * k + 1,
-            ("zero1", "deepspeed"): 3,
-            ("zero2", "deepspeed"): 2 * k + 1,
-            ("zero3", "deepspeed"): 2 * k,
-        }[(strategy, backend)]
-        return times * ring
-    if strategy == "tp":
-        return k * layers * 6 * 2 * (tp - 1) / tp * activation_bytes
-    if strategy == "pipeline":
-        middle = 0 < pp_stage < pp - 1
-        return k * activation_bytes * (2 if middle else 1) if pp > 1 else 0.0
-    raise ValueError(
-        f"no communication model for strategy {strategy!r}; compose hybrid "
-        f"layouts from their dimensions"
-    )

@@ -2,14 +2,14 @@
 theory: bytes one rank sends per step within 10% of the ring accounting (the ZeRO
 paper's 2 Psi for DDP and ZeRO-1/2, 3 Psi for ZeRO-3, Megatron's activation
 all-reduces for TP, one activation per micro-batch per boundary for pipelines), and of
-`estimate.comm_bytes_per_step` where an implementation moves more than the paper."""
+`comm_estimate.comm_bytes_per_step` where an implementation moves more than the paper."""
 
 from __future__ import annotations
 
 import pytest
 
 import nbpar
-from nbpar.estimate import comm_bytes_per_step
+from nbpar.comm_estimate import comm_bytes_per_step
 from nbpar.train.comm import functional_moved_bytes, moved_bytes
 from nbpar.train.step_split import step_shares
 

@@ -165,7 +165,7 @@ def test_reprs_are_cheap_and_informative():
         est.strategy = "ddp"  # frozen
 
 
-@pytest.mark.parametrize("module", ["nbpar.estimate", "nbpar.view.history"])
+@pytest.mark.parametrize("module", ["nbpar.estimate", "nbpar.comm_estimate", "nbpar.view.history"])
 def test_import_is_light(module):
     """The estimator and the step records every figure reads import neither torch nor
     matplotlib: a kernel that only looks at runs does not pay for them."""

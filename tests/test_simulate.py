@@ -13,7 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 import nbpar
-from nbpar.estimate import GB, comm_bytes_per_step, estimate_memory
+from nbpar.comm_estimate import comm_bytes_per_step
+from nbpar.estimate import GB, estimate_memory
 
 pytestmark = pytest.mark.timeout(600)
 SMALL = nbpar.GPTConfig(d_model=64, n_heads=4, n_layers=4, seq_len=16)

@@ -40,7 +40,7 @@ def autocast_dtype(cfg):
 
 
 def model_device_type(model) -> str:
-    """ "cpu" or "cuda": where the model's first parameter lives ("cpu" if it has none)."""
+    """The device type the model's first parameter lives on ("cpu" if it has none)."""
     p = next(model.parameters(), None)
     return p.device.type if p is not None else "cpu"
 

@@ -106,11 +106,8 @@ def run(args) -> dict:
 def human(out: dict) -> str:
     """What ``nbpar simulate`` prints without ``--json``: a table per simulated role, or
     with ``--what-fits`` one row per layout."""
-    from nbpar.estimate import format_bytes
+    from nbpar.estimate import format_bytes_or_dash as size
     from nbpar.simulate.roles import describe
-
-    def size(v):
-        return "-" if v is None else format_bytes(v)
 
     if "layouts" in out:
         lines = [
@@ -125,7 +122,7 @@ def human(out: dict) -> str:
             lines.append(
                 f"{r['strategy']:>8} {r['dp']:>4} {r['tp']:>4} {r['pp']:>4} "
                 f"{size(r['peak_bytes']):>10} {'yes' if r['fits'] else 'no':>5} "
-                f"{('' if r['margin_bytes'] >= 0 else '-') + size(abs(r['margin_bytes'])):>10}"
+                f"{size(r['margin_bytes']):>10}"
             )
         return "\n".join(lines)
     cfg = out["config"]
@@ -134,10 +131,9 @@ def human(out: dict) -> str:
         f"(dp {cfg['dp']} x tp {cfg['tp']} x pp {cfg['pp']}), simulated in {out['seconds']:.1f} s"
     )
     if out.get("fits") is not None:
-        margin = out["margin_bytes"]
         head += (
             f"; fits in {size(out['device_memory_bytes'])}: {'yes' if out['fits'] else 'no'}, "
-            f"margin {'' if margin >= 0 else '-'}{size(abs(margin))}"
+            f"margin {size(out['margin_bytes'])}"
         )
     lines = [
         head,

@@ -156,7 +156,8 @@ nbpar.view.plots.plot_loss_difference(tp_losses, single_losses, labels=("tp=2", 
 # (`tp_replicated`); Megatron's `Psi / tp` assumes there are none:
 
 # %%
-from nbpar.estimate import comm_bytes_per_step, estimate_memory, format_bytes
+from nbpar.comm_estimate import comm_bytes_per_step
+from nbpar.estimate import estimate_memory, format_bytes
 from nbpar.train.models import build_model
 from nbpar.train.plan import tp_replicated_parameters
 

@@ -125,7 +125,8 @@ for row in comparison.table:
 # gradients at all, only activation all-reduces inside every block:
 
 # %%
-from nbpar.estimate import comm_bytes_per_step, format_bytes
+from nbpar.comm_estimate import comm_bytes_per_step
+from nbpar.estimate import format_bytes
 
 psi = 4 * sum(p.numel() for p in nbpar.train.models.build_model(
     nbpar.TrainConfig(**base)).parameters())                    # fp32 bytes of the model

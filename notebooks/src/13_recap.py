@@ -32,7 +32,8 @@ import textwrap
 import nbpar
 import nbpar.parallel
 from matplotlib.figure import Figure
-from nbpar.estimate import GB, comm_bytes_per_step, estimate_memory, format_bytes
+from nbpar.comm_estimate import comm_bytes_per_step
+from nbpar.estimate import GB, estimate_memory, format_bytes
 # %load_ext nbpar
 
 # %%
