@@ -10,6 +10,7 @@ by a finalizer whatever happens.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -32,14 +33,19 @@ IFNAME = "nbp0"  # the engine-side interface, same name in every namespace
 
 
 def _ip(*args, check=True):
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+    res = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if check and res.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {res.stderr.strip()}")
+    return res
 
 
 class Hosts:
     """N fake hosts: namespace i has address 10.213.7.(i+2) and hostname nbphost<i>."""
 
+    _made = itertools.count()  # a fresh tag per set: no name of an earlier set is reused
+
     def __init__(self, n: int):
-        self.tag = f"nbpt{os.getpid() % 100000}"
+        self.tag = f"nbp{os.getpid() % 100000}{next(Hosts._made) % 10}"
         self.bridge = f"{self.tag}br"
         self.names = [f"{self.tag}n{i}" for i in range(n)]
         self.procs: list[subprocess.Popen] = []
@@ -110,7 +116,10 @@ class Hosts:
             p.wait(10)
         if self.cluster is not None:
             self.cluster.stop_cluster_sync()
-        for ns in self.names:
+        for i, ns in enumerate(self.names):
+            # deleting a veth end removes its peer at once; a namespace's own interfaces
+            # go when the kernel gets to it, after `netns del` has returned
+            _ip("link", "del", f"{self.tag}h{i}", check=False)
             _ip("netns", "del", ns, check=False)
         _ip("link", "del", self.bridge, check=False)
 
