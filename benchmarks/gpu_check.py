@@ -87,7 +87,7 @@ def _init_world_of_one(backend: str) -> None:
 def allocator_check(history: list[dict]) -> dict:
     """nbpar's tracked memory beside the CUDA caching allocator's, at the metered step.
 
-    ``tracked_peak_bytes`` is `nbpar.train.memtrack`'s peak of live storages during the
+    ``tracked_peak_bytes`` is `nbpar.measure.memtrack`'s peak of live storages during the
     metered step; ``device_peak_bytes`` the allocator's peak since the run began (so it
     also covers the steps before it: the first creates the optimizer state) and
     ``device_allocated_bytes`` what it holds after the step, beside the model states
@@ -153,7 +153,7 @@ def main(argv=None) -> dict:
 
     from nbpar import device
     from nbpar.config import GPTConfig, TrainConfig
-    from nbpar.train.models import build_model
+    from nbpar.model.models import build_model
 
     gpus = 0 if args.dry_run else device.accelerator_count()
     backend = device.default_backend(gpus)

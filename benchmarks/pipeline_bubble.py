@@ -9,7 +9,7 @@ latency and show a much larger bubble; at d_model 256 and 4 layers the worst m w
 Each round runs every m once (2 engines, micro-batch 2; a run's figure is the median
 of both ranks' measured bubble); the rounds alternate the order of m. The schedule's
 own bubble replays the step's boxes with their measured lengths and no gaps
-(`nbpar.train.timeline.schedule_bubble`): it is what (p-1)/(m+p-1) predicts plus what
+(`nbpar.measure.timeline.schedule_bubble`): it is what (p-1)/(m+p-1) predicts plus what
 unequal stages add, and the measured bubble minus it is what send/recv and the work
 between boxes add, reported per m.
 
@@ -23,7 +23,7 @@ from results import Recorder
 
 import nbpar
 from nbpar.config import GPTConfig
-from nbpar.train.timeline import theory_bubble
+from nbpar.measure.timeline import theory_bubble
 
 
 def main():

@@ -6,7 +6,7 @@
 group of 1,024 ranks, with the strategy code of a real run (stage cut between decoder
 layers, transformers' tensor-parallel plan over DTensor, gradient all-reduce over dp).
 The model is transformers' LlamaForCausalLM with Llama 3 70B's shape
-(`nbpar.train.hf.LLAMA_3_70B`, 70.6B parameters, random weights on fake tensors).
+(`nbpar.model.hf.LLAMA_3_70B`, 70.6B parameters, random weights on fake tensors).
 Targets: under 2 minutes and under 8 GiB of host memory on 2 cores. The stages are
 simulated in as many processes as there are cores (at most one per stage), so the time
 judged is the wall
@@ -35,7 +35,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
-    from nbpar.train.hf import LLAMA_3_70B
+    from nbpar.model.hf import LLAMA_3_70B
 
     cfg = nbpar.TrainConfig(
         model="hf:llama",

@@ -179,7 +179,7 @@ def train_config(args):
                 engines *= d
     try:
         cfg.validate(engines)
-        from nbpar.train.probe import check_model
+        from nbpar.probe import check_model
 
         check_model(cfg, 1 if cfg.strategy == "single" else engines)  # before a pool starts
     except (ValueError, TypeError, FileNotFoundError) as err:

@@ -1,5 +1,5 @@
 """Bytes each rank sends per optimizer step, by strategy: the estimator's communication
-model, which `nbpar.train.comm`'s counts at the c10d layer are checked against (the
+model, which `nbpar.measure.comm`'s counts at the c10d layer are checked against (the
 ZeRO paper's ring accounting, and where each implementation moves more).
 Pure Python, like `nbpar.estimate`.
 """
@@ -30,7 +30,7 @@ def comm_bytes_per_step(
     one micro-batch's hidden states (b * s * d * element size). The paper's figures
     are 2 Psi for DDP and ZeRO-1/2 and 3 Psi for ZeRO-3 (times (n-1)/n); the
     implementations differ where said, as measured at the c10d layer
-    (`nbpar.train.comm`), with K micro-batches per step:
+    (`nbpar.measure.comm`), with K micro-batches per step:
 
     - torch zero1: ZeroRedundancyOptimizer all-reduces whole gradients, then each rank
       broadcasts its updated partition: 3 Psi.

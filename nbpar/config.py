@@ -3,7 +3,7 @@
 `TrainConfig` is the one object the widgets, the CLI and `pool.train` build; it
 is checked once, before any engine does work, so a bad combination fails with
 one sentence instead of a hang inside a collective. Degrees become a
-`ParallelDims` (torchtitan-style topology, in `nbpar.parallel.mesh`).
+`ParallelDims` (torchtitan-style topology, in `nbpar.dims`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 
-from nbpar.parallel.mesh import ParallelDims
+from nbpar.dims import ParallelDims
 from nbpar.strategies import (
     BACKENDS,
     DEFAULT_SCHEDULE,
@@ -128,7 +128,7 @@ class TrainConfig:
     lr_schedule: dict | None = None
     """a learning-rate schedule in DeepSpeed's "scheduler" format, e.g. {"type":
     "WarmupLR", "params": {"warmup_num_steps": 10}}, run alike on every backend
-    (see `nbpar.train.lr_schedule`); None = constant lr"""
+    (see `nbpar.model.lr_schedule`); None = constant lr"""
     precision: str = "fp32"
     """fp32 | bf16 (autocast) | fp16 (deepspeed only: it brings the loss scaler)"""
     offload: str = "none"
@@ -157,7 +157,7 @@ class TrainConfig:
     # ---- derived values -------------------------------------------------
     def dataset_name(self) -> str:
         """The dataset actually used (resolves the model's default); a factory's label."""
-        from nbpar.train.registry import display_name
+        from nbpar.model.registry import display_name
 
         if self.dataset is not None:
             return display_name(self.dataset)
@@ -187,7 +187,7 @@ class TrainConfig:
         _choice("precision", self.precision, PRECISIONS)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("offload", self.offload, OFFLOADS)
-        from nbpar.train.registry import check_model_fields
+        from nbpar.model.registry import check_model_fields
 
         check_model_fields(self, DATASETS)
         for name in ("micro_batch", "grad_accum", "steps"):
@@ -241,7 +241,7 @@ class TrainConfig:
 
             device.check_precision(self.precision)
         if self.resume_from is not None:  # missing/corrupt/other model: before engines work
-            from nbpar.train.checkpoint_meta import check_resume
+            from nbpar.checkpoint_meta import check_resume
 
             check_resume(self, world_size)
         return self
@@ -266,7 +266,7 @@ class TrainConfig:
         ):
             raise ValueError(f"grad_clip must be a number >= 0, got {self.grad_clip!r}")
         if self.lr_schedule is not None:
-            from nbpar.train.lr_schedule import resolve
+            from nbpar.model.lr_schedule import resolve
 
             resolve(self.lr_schedule, self.lr, self.steps)
 

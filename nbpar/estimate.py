@@ -171,7 +171,7 @@ def estimate_memory(
     reshards parameters after backward; DeepSpeed reduces gradients into this rank's
     partition from stage 1 on and keeps an fp32 master partition even in fp32 training.
     ``tp_replicated``: how many of the parameters tensor parallelism leaves whole on every
-    tp rank (`nbpar.train.plan.tp_replicated_parameters` counts them from a model's plan);
+    tp rank (`nbpar.model.plan.tp_replicated_parameters` counts them from a model's plan);
     the paper's Psi / tp assumes 0.
     """
     params = count_parameters(params) if hasattr(params, "parameters") else params
@@ -344,7 +344,7 @@ class MemoryEstimate:
 
     def plot(self, ax=None):
         """Stacked bar (GB) of params/grads/optim/activations per rank; returns the Figure."""
-        from nbpar.view.memory_plot import plot_estimate
+        from nbpar.estimate_plot import plot_estimate
 
         return plot_estimate(self, ax)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from numbers import Integral
 
-from nbpar.parallel.mesh import ParallelDims
+from nbpar.dims import ParallelDims
 
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "pipeline", "tp", "hybrid")
 BACKENDS = ("torch", "deepspeed")
@@ -229,7 +229,7 @@ def check_model_degrees(cfg, world_size: int | None) -> None:
     else:
         check_degrees(cfg.strategy, cfg.dp, cfg.tp, cfg.pp)
         tp, pp = cfg.tp or 1, cfg.pp or 1
-    from nbpar.train.registry import known_shape
+    from nbpar.model.registry import known_shape
 
     layers, where = known_shape(cfg)
     gpt = cfg.gpt
@@ -238,7 +238,7 @@ def check_model_degrees(cfg, world_size: int | None) -> None:
             f"tp={tp} must divide gpt.n_heads={gpt.n_heads} and gpt.d_model={gpt.d_model}"
         )
     if tp > 1 and where:  # a transformers family: heads from its config
-        from nbpar.train.hf import shape
+        from nbpar.model.hf import shape
 
         for k in ("heads", "kv_heads"):
             n = shape(cfg.model, cfg.model_config)[k]

@@ -186,19 +186,71 @@ def test_engine_side_never_imports_the_kernel_side():
     assert not {m: t for m, t in wrong.items() if t}
 
 
-def test_old_module_paths_still_import():
-    """In a fresh interpreter: an old import binds the old name as an attribute of the
-    package, which would shadow ``nbpar.compare`` (the function) in this one."""
-    import subprocess
-    import sys
+# The layers, bottom up (README "Layout"): a module may import its own layer and the
+# layers below it, never one above, imports inside functions included. Within a layer,
+# `test_no_import_cycles_in_nbpar` keeps the modules acyclic.
+LAYERS = (
+    ("base", ("nbpar.device", "nbpar.errors", "nbpar.files")),
+    ("model", ("nbpar.model",)),
+    ("measure", ("nbpar.measure",)),
+    ("strategies", ("nbpar.dims", "nbpar.strategies")),
+    ("parallel", ("nbpar.parallel",)),
+    ("estimate", ("nbpar.estimate", "nbpar.comm_estimate", "nbpar.estimate_plot")),
+    ("config", ("nbpar.config", "nbpar.checkpoint_meta", "nbpar.probe")),
+    ("train", ("nbpar.train",)),
+    ("simulate", ("nbpar.simulate",)),
+    ("view", ("nbpar.view",)),
+    ("pool", ("nbpar.pool",)),
+    ("cli", ("nbpar.bench", "nbpar.cli", "nbpar.__main__", "nbpar")),
+)
 
-    code = (
-        "import importlib, nbpar\n"
-        "for old, new in nbpar.MOVED.items():\n"
-        "    assert importlib.import_module('nbpar.' + old) is "
-        "importlib.import_module('nbpar.' + new), old\n"
-        "print(len(nbpar.MOVED))"
+
+def layer_of(module: str, layers=LAYERS) -> int:
+    """Index of the layer that holds ``module`` (the longest matching prefix)."""
+    best, found = -1, None
+    for index, (_, prefixes) in enumerate(layers):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, found = len(prefix), index
+    if found is None:
+        raise AssertionError(f"{module} is in no layer: add it to LAYERS")
+    return found
+
+
+def upward_imports(graph: dict[str, set[str]], layers=LAYERS) -> list[str]:
+    """Every edge from a module to a module of a higher layer, as "a -> b"."""
+    return sorted(
+        f"{a} ({layers[layer_of(a, layers)][0]}) -> {b} ({layers[layer_of(b, layers)][0]})"
+        for a, targets in graph.items()
+        for b in targets
+        if layer_of(b, layers) > layer_of(a, layers)
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
-    assert int(out.stdout) >= 20
+
+
+def test_imports_follow_the_layers():
+    assert upward_imports(import_graph(ROOT / "nbpar")) == []
+
+
+def test_every_module_has_a_layer():
+    for module in import_graph(ROOT / "nbpar"):
+        layer_of(module)
+
+
+def test_the_layer_check_catches_an_upward_import(tmp_path):
+    """A measure module that reaches up into parallel inside a function: caught."""
+    pkg = tmp_path / "nbpar"
+    (pkg / "measure").mkdir(parents=True)
+    (pkg / "parallel").mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "measure" / "__init__.py").write_text("")
+    (pkg / "parallel" / "__init__.py").write_text("")
+    (pkg / "parallel" / "runner.py").write_text("from nbpar.measure import meter\n")
+    (pkg / "measure" / "meter.py").write_text(
+        "def count():\n    from nbpar.parallel.runner import local\n    return local\n"
+    )
+    graph = import_graph(pkg, reexport_only={"nbpar"})
+    assert upward_imports(graph) == [
+        "nbpar.measure.meter (measure) -> nbpar.parallel.runner (parallel)"
+    ]
+    (pkg / "measure" / "meter.py").write_text("def count():\n    return 0\n")
+    assert upward_imports(import_graph(pkg, reexport_only={"nbpar"})) == []

@@ -9,11 +9,11 @@ import os
 import pytest
 import torch
 
+from nbpar.checkpoint_meta import LATEST, META, list_checkpoints
 from nbpar.config import GPTConfig, TrainConfig
+from nbpar.model.models import build_model
 from nbpar.train import checkpoint
-from nbpar.train.checkpoint_meta import LATEST, META, list_checkpoints
 from nbpar.train.loop import run_training
-from nbpar.train.models import build_model
 from tests.distributed import run_distributed
 
 GPT = dict(model="tiny_gpt", seed=1)

@@ -10,8 +10,8 @@ import pytest
 
 import nbpar
 from nbpar.comm_estimate import comm_bytes_per_step
-from nbpar.train.comm import functional_moved_bytes, moved_bytes
-from nbpar.train.step_split import step_shares
+from nbpar.measure.comm import functional_moved_bytes, moved_bytes
+from nbpar.measure.step_split import step_shares
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -20,7 +20,7 @@ MICRO, WORLD = 8, 2
 
 
 def _psi() -> int:
-    from nbpar.train.models import build_model
+    from nbpar.model.models import build_model
 
     return sum(p.numel() * 4 for p in build_model(nbpar.TrainConfig()).parameters())
 
@@ -147,7 +147,7 @@ def _late_partner(rank, world, overlap):
     import torch
     import torch.distributed as dist
 
-    from nbpar.train.comm import CommMeter, exchange_launches
+    from nbpar.measure.comm import CommMeter, exchange_launches
 
     t = torch.ones(1000)
     a = torch.randn(128, 128)
@@ -200,7 +200,7 @@ def test_comm_time_in_flight_and_exposed_on_real_processes(overlap):
 
 
 def test_interval_arithmetic():
-    from nbpar.train.comm import uncovered_s, union_s
+    from nbpar.measure.comm import uncovered_s, union_s
 
     flight = [(0, 2), (1, 3), (5, 6)]
     assert union_s(flight) == 4

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from nbpar.config import GPTConfig, TrainConfig
-from nbpar.parallel.mesh import ParallelDims
-from nbpar.train.data import global_batch_line
+from nbpar.dims import ParallelDims
+from nbpar.model.data import global_batch_line
 
 BAD = [
     (dict(model="resnet"), 2, "model='resnet'.*simple_cnn, tiny_gpt"),

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from nbpar.config import TrainConfig
-from nbpar.train.data import (
+from nbpar.model.data import (
     CIFAR10,
     build_dataset,
     build_loader,

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from nbpar.config import TrainConfig
+from nbpar.model.models import build_model, loss_fn
 from nbpar.parallel import build_runner
-from nbpar.train.models import build_model, loss_fn
 from tests.distributed import run_distributed
 
 
@@ -18,7 +18,7 @@ def _ddp_steps(rank, world, accums):
     """For each ``accum``: one fresh DDP step on this rank's half of a fixed batch of
     8, split into ``accum`` micro-batches. Returns numpy, not tensors: tensors
     cross process boundaries by shared-memory handles that die with the worker."""
-    from nbpar.parallel.mesh import ParallelDims
+    from nbpar.dims import ParallelDims
 
     mesh = ParallelDims(dp=world, world_size=world).build_mesh("cpu")
     outs = []

@@ -37,8 +37,8 @@ FP16_LOSS_ATOL, FP16_PARAM_ATOL = 1e-3, 5e-3
 
 
 def _run_ds(rank, world, cfgs):
+    from nbpar.dims import ParallelDims
     from nbpar.parallel.deepspeed import build_runner
-    from nbpar.parallel.mesh import ParallelDims
 
     meshes = {}
     results = []

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import nbpar
-from nbpar.train.models import build_model
+from nbpar.model.models import build_model
 from tests.reference.hf import SMALL
 
 pytestmark = pytest.mark.timeout(900)
@@ -80,7 +80,7 @@ def test_forward_equals_transformers_own():
     """nbpar runs the family's parts itself; the logits are those of *ForCausalLM."""
     import transformers
 
-    from nbpar.train.hf import hf_config
+    from nbpar.model.hf import hf_config
 
     for model, cls in (
         ("hf:llama", transformers.LlamaForCausalLM),
@@ -142,7 +142,7 @@ def test_forward_equals_transformers_own():
     ],
 )
 def test_bad_hf_input_is_one_line(change, message):
-    from nbpar.train.probe import check_model
+    from nbpar.probe import check_model
 
     with pytest.raises(ValueError, match=message) as err:
         cfg = nbpar.TrainConfig(**change).validate(2)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nbpar.dims import ParallelDims
 from nbpar.parallel import hybrid
-from nbpar.parallel.mesh import ParallelDims
 from tests.distributed import run_distributed
 from tests.reference.gpt import (
     ACCUM,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nbpar.train.lr_schedule import Schedule, resolve
+from nbpar.model.lr_schedule import Schedule, resolve
 
 SECTIONS = [
     {"type": "WarmupLR", "params": {"warmup_num_steps": 7}},

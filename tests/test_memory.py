@@ -283,8 +283,8 @@ def test_backend_models_what_implementations_hold_between_steps():
 def test_tensor_parallel_estimate_counts_what_the_plan_leaves_whole():
     import nbpar
     from nbpar.estimate import estimate_memory
-    from nbpar.train.models import build_model
-    from nbpar.train.plan import tp_replicated_parameters
+    from nbpar.model.models import build_model
+    from nbpar.model.plan import tp_replicated_parameters
 
     model = build_model(nbpar.TrainConfig())
     n = sum(p.numel() for p in model.parameters())

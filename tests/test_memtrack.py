@@ -1,4 +1,4 @@
-"""Memory a step really holds (nbpar.train.memtrack): exact on a model small enough to
+"""Memory a step really holds (nbpar.measure.memtrack): exact on a model small enough to
 count by hand, and per run on the engines, so a strategy with half the model states
 reports a lower peak than the run before it."""
 
@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import nbpar
+from nbpar.measure.memtrack import StepMemory
 from nbpar.parallel.runner import StepRunner
-from nbpar.train.memtrack import StepMemory
 
 
 def test_activations_and_peak_counted_by_hand():

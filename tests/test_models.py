@@ -3,7 +3,7 @@
 import torch
 
 from nbpar.config import GPTConfig, TrainConfig
-from nbpar.train.models import Attention, Block, SimpleCNN, TinyGPT, build_model, loss_fn
+from nbpar.model.models import Attention, Block, SimpleCNN, TinyGPT, build_model, loss_fn
 
 
 def test_simple_cnn_shapes_and_loss():

@@ -1,4 +1,4 @@
-"""One file per sample vs one HDF5 file vs RAM (nbpar.train.packed): the same samples
+"""One file per sample vs one HDF5 file vs RAM (nbpar.model.packed): the same samples
 through real DataLoaders, with and without worker processes."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from nbpar.train import packed
+from nbpar.model import packed
 from nbpar.view.teaching import SlowDataset
 
 

@@ -10,9 +10,7 @@ import pytest
 import torch
 
 import nbpar
-from nbpar.parallel import ds_pipeline, pipeline
-from nbpar.train.models import next_token_loss as lm_loss
-from nbpar.train.timeline import (
+from nbpar.measure.timeline import (
     bubble_fraction,
     clock_offset,
     cristian_offset,
@@ -20,6 +18,8 @@ from nbpar.train.timeline import (
     schedule_bubble,
     theory_bubble,
 )
+from nbpar.model.models import next_token_loss as lm_loss
+from nbpar.parallel import ds_pipeline, pipeline
 from tests.distributed import run_distributed
 from tests.reference.gpt import (
     ACCUM,

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 from torch.autograd.graph import saved_tensors_hooks
 
+from nbpar.model.models import next_token_loss as lm_loss
 from nbpar.parallel import pipeline
-from nbpar.train.models import next_token_loss as lm_loss
 from tests.distributed import run_distributed
 from tests.reference.gpt import ACCUM, batches, build_mesh, make_cfg, make_model
 

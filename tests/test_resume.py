@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import nbpar
+from nbpar.checkpoint_meta import LATEST, read_meta
 from nbpar.config import TrainConfig
-from nbpar.train.checkpoint_meta import LATEST, read_meta
 from nbpar.train.loop import run_training
 from tests.distributed import run_distributed
 

@@ -25,7 +25,7 @@ def _states(rank: dict) -> int:
 
 
 def _psi(gpt) -> int:
-    from nbpar.train.models import TinyGPT
+    from nbpar.model.models import TinyGPT
 
     with torch.device("meta"):
         return sum(p.numel() for p in TinyGPT(gpt).parameters())
@@ -169,7 +169,7 @@ class Unbuildable(nn.Module):
 
 
 def test_a_model_that_cannot_be_built_fake_is_named(monkeypatch):
-    from nbpar.train import models
+    from nbpar.model import models
 
     monkeypatch.setattr(models, "build_model", lambda cfg: Unbuildable())
     with pytest.raises(ValueError, match="cannot be built on fake tensors: in module Unbuildable"):
@@ -275,7 +275,7 @@ def test_zero3_activations_are_those_of_ddp_once_fsdp_frees_gathered_weights():
     the block being worked on (FSDP2 re-gathers them for backward, and prefetches the
     next); the weights it frees by resizing storages must not stay counted as saved
     (they did: all 4 blocks' weights)."""
-    from nbpar.train.models import Block
+    from nbpar.model.models import Block
 
     cfg = {"gpt": SMALL, "micro_batch": 2}
     ddp = nbpar.simulate(nbpar.TrainConfig(strategy="ddp", **cfg), 2)["ranks"][0]

@@ -16,9 +16,9 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.testing import assert_close
 
 from nbpar.config import GPTConfig
-from nbpar.parallel.mesh import ParallelDims
+from nbpar.dims import ParallelDims
+from nbpar.model.models import Attention, FeedForward
 from nbpar.parallel.tensor import apply_tp, block_plan, build_runner, check_tp
-from nbpar.train.models import Attention, FeedForward
 from tests.distributed import run_distributed
 from tests.reference.gpt import SIZES, batches, make_cfg, make_model, reference_run
 from tests.reference.gpt import lm_loss as gpt_loss

@@ -136,7 +136,7 @@ def test_grad_accum_equals_bigger_micro_batch_without_process_group():
 def test_batches_roll_over_into_a_reshuffled_epoch():
     from torch.utils.data import TensorDataset
 
-    from nbpar.train.data import build_loader
+    from nbpar.model.data import build_loader
     from nbpar.train.loop import _Batches
 
     cfg = TrainConfig(micro_batch=4, seed=2)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import nbpar
-from nbpar.train.probe import check_fits, check_model
+from nbpar.probe import check_fits, check_model
 from tests import user_models
 
 pytestmark = pytest.mark.timeout(900)

@@ -24,7 +24,7 @@ from tests.reference.mlp import (
 
 
 def _run_torch(rank, world, cfgs):
-    from nbpar.parallel.mesh import ParallelDims
+    from nbpar.dims import ParallelDims
     from nbpar.parallel.zero import build_runner
 
     mesh = ParallelDims(dp=world, world_size=world).build_mesh("cpu")

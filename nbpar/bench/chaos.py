@@ -36,7 +36,7 @@ def _wait(run, step: int, timeout: float) -> None:
 def chaos_train(pool, cfg, kills: int, seed: int = 0, timeout: float = 300.0) -> dict:
     """Train ``cfg`` (with checkpoint_dir and checkpoint_every) to the end while
     killing a random engine ``kills`` times; {"losses": stitched curve, "kills": [...]}."""
-    from nbpar.train.checkpoint_meta import latest, read_meta
+    from nbpar.checkpoint_meta import latest, read_meta
 
     if not (pool.auto_restart and cfg.checkpoint_dir and cfg.checkpoint_every):
         raise ValueError(

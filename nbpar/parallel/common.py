@@ -47,8 +47,8 @@ def model_device_type(model) -> str:
 
 def build_single_runner(model, cfg, mesh=None):
     """Plain one-process training: the base StepRunner."""
+    from nbpar.model.models import loss_fn
     from nbpar.parallel.runner import StepRunner
-    from nbpar.train.models import loss_fn
 
     return StepRunner(
         model,

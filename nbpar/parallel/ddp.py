@@ -13,10 +13,10 @@ import contextlib
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from nbpar.measure.metrics import CommTimer, HookState, timed_allreduce_hook
+from nbpar.model.models import loss_fn
 from nbpar.parallel.common import autocast_dtype, make_optimizer, model_device_type
 from nbpar.parallel.runner import StepRunner
-from nbpar.train.metrics import CommTimer, HookState, timed_allreduce_hook
-from nbpar.train.models import loss_fn
 
 
 def apply_ddp(model, dp_mesh, *, timer: CommTimer | None = None) -> DistributedDataParallel:

@@ -18,13 +18,14 @@ import warnings
 import torch
 
 from nbpar import device
+from nbpar.measure.holdings import tensor_bytes
 from nbpar.parallel.ds_config import (
     DEEPSPEED_ONLY_PARAMS,
     ds_config_for,
     offload_device,
     optimizer_kind,
 )
-from nbpar.parallel.runner import StepRunner, tensor_bytes
+from nbpar.parallel.runner import StepRunner
 
 # optimizer attributes that hold fp32 master copies (stage 0-3, bf16/fp16 wrappers)
 _MASTER_ATTRS = (
@@ -303,11 +304,11 @@ def initialize(model, config: dict, mesh=None):
 def build_runner(model, cfg, mesh, loss=None) -> DeepSpeedRunner:
     """DeepSpeed ZeRO stage 0 (``ddp``), 1, 2 or 3 over ``mesh["dp"]`` as ``cfg`` asks.
 
-    ``loss`` defaults to ``nbpar.train.models.loss_fn(cfg)``.
+    ``loss`` defaults to ``nbpar.model.models.loss_fn(cfg)``.
     """
     config = ds_config_for(cfg, mesh["dp"].size())
     if loss is None:
-        from nbpar.train.models import loss_fn
+        from nbpar.model.models import loss_fn
 
         loss = loss_fn(cfg)
     engine = initialize(model, config, mesh)

@@ -325,7 +325,7 @@ def _optimizer(d: dict, cfg) -> None:
 
 
 def _scheduler(d: dict, cfg) -> None:
-    from nbpar.train.lr_schedule import resolve
+    from nbpar.model.lr_schedule import resolve
 
     have = resolve(d["scheduler"], cfg.lr, cfg.steps) if d.get("scheduler") else None
     want = resolve(cfg.lr_schedule, cfg.lr, cfg.steps) if cfg.lr_schedule else None

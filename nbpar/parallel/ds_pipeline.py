@@ -74,7 +74,7 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> DeepSpeedPipel
     from deepspeed.pipe import PipelineModule
 
     if loss_fn is None:
-        from nbpar.train.models import loss_fn as make_loss
+        from nbpar.model.models import loss_fn as make_loss
 
         loss_fn = make_loss(cfg)
     pp, dp = mesh["pp"].size(), mesh["dp"].size()

@@ -18,8 +18,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nbpar.measure.holdings import local_tensor
+
 from . import pipeline
-from .runner import StepRunner, local_tensor
+from .runner import StepRunner
 
 
 class HybridRunner(pipeline.PipelineRunner):

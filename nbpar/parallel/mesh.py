@@ -1,61 +1,9 @@
-"""A validated parallel topology and the named DeviceMesh built from it.
-
-After torchtitan's ``ParallelDims``: degrees dp, tp, pp (1 = off) whose product
-must equal the world size; ranks are laid out pp-major, tp fastest, so the
-ranks of one tensor-parallel group are neighbours (on GPUs: the same host).
-"""
+"""The named DeviceMesh of a `nbpar.dims.ParallelDims` layout, one per layout per process
+group (its topology rules live in `nbpar.dims`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-MESH_DIMS = ("pp", "dp", "tp")
-
-
-@dataclass(kw_only=True)
-class ParallelDims:
-    """Degrees of each parallel dimension; ``dp * tp * pp == world_size``."""
-
-    dp: int = 1
-    """data-parallel degree (DDP / ZeRO shard groups); 1 = off"""
-    tp: int = 1
-    """tensor-parallel degree (Megatron-style column/row splits); 1 = off"""
-    pp: int = 1
-    """pipeline-parallel degree (number of stages); 1 = off"""
-    world_size: int
-
-    def __post_init__(self):
-        for name in ("dp", "tp", "pp", "world_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.dp * self.tp * self.pp != self.world_size:
-            raise ValueError(
-                f"dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = "
-                f"{self.dp * self.tp * self.pp} must equal the number of engines "
-                f"({self.world_size})"
-            )
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        return (self.pp, self.dp, self.tp)
-
-    def coords(self, rank: int) -> dict[str, int]:
-        """This rank's position on each named dimension."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} is outside world size {self.world_size}")
-        return {
-            "pp": rank // (self.dp * self.tp),
-            "dp": (rank // self.tp) % self.dp,
-            "tp": rank % self.tp,
-        }
-
-    def build_mesh(self, device_type: str = "cpu"):
-        """The 3-D DeviceMesh with dims ("pp", "dp", "tp"); needs a process group."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        return init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
-
+from nbpar.dims import ParallelDims
 
 # Process-wide registry (one per engine process): the mesh of each layout, for the life
 # of the default process group.

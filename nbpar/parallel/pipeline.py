@@ -24,9 +24,9 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
+from nbpar.measure import timeline as _timeline
+from nbpar.model.plan import plan_of, require
 from nbpar.strategies import check_pipeline_schedule
-from nbpar.train import timeline as _timeline
-from nbpar.train.plan import plan_of, require
 
 from .common import autocast_dtype as precision_dtype
 from .common import make_optimizer
@@ -55,7 +55,7 @@ def layer_ranges(n_layers: int, n_stages: int) -> list[range]:
 def split_stages(model: nn.Module, pp_rank: int, pp_size: int, virtual: int = 1) -> list[nn.Module]:
     """The stage modules of ``pp_rank``: copies of ``model`` keeping only their part.
 
-    The cut follows the model's declared plan (`nbpar.train.plan`): stage 0 keeps
+    The cut follows the model's declared plan (`nbpar.model.plan`): stage 0 keeps
     its ``first`` parts (embeddings), the last stage its ``last`` parts (norm, head);
     parameter names stay those of the full model. ``model`` is not modified.
     """
@@ -156,7 +156,7 @@ class TimedStage(PipelineStage):
 
 
 def default_loss(cfg):
-    from nbpar.train.models import loss_fn
+    from nbpar.model.models import loss_fn
 
     return loss_fn(cfg)
 

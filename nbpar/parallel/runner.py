@@ -11,26 +11,7 @@ import contextlib
 import torch
 from torch import nn
 
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The part of ``t`` this rank really stores (a DTensor's local shard)."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def tensor_bytes(tensors) -> int:
-    """Bytes held by ``tensors`` on this rank, each storage counted once."""
-    seen, total = set(), 0
-    for t in tensors:
-        if t is None or not isinstance(t, torch.Tensor):
-            continue
-        t = local_tensor(t)
-        # the storage's identity, not its address: fake tensors (nbpar.simulate) have none
-        key = t.untyped_storage()._cdata
-        if key in seen or t.untyped_storage().nbytes() == 0:
-            continue
-        seen.add(key)
-        total += t.untyped_storage().nbytes()
-    return total
+from nbpar.measure.holdings import optimizer_state_tensors, tensor_bytes
 
 
 def clip_grad_norm(params, max_norm: float, pp_group=None) -> float:
@@ -61,13 +42,6 @@ def clip_grad_norm(params, max_norm: float, pp_group=None) -> float:
         for g in grads:
             g.mul_(coef)
     return norm
-
-
-def optimizer_state_tensors(optimizer: torch.optim.Optimizer):
-    for state in optimizer.state.values():
-        for v in state.values():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
-                yield v
 
 
 class StepRunner:
@@ -117,9 +91,9 @@ class StepRunner:
 
     def set_update_rule(self, cfg, pp_group=None) -> None:
         """Clip to ``cfg.grad_clip`` and follow ``cfg.lr_schedule`` (DeepSpeed's
-        semantics, `nbpar.train.lr_schedule`); ``pp_group`` joins the gradient norm of
+        semantics, `nbpar.model.lr_schedule`); ``pp_group`` joins the gradient norm of
         pipeline stages, which each hold some of the parameters."""
-        from nbpar.train.lr_schedule import Schedule, resolve
+        from nbpar.model.lr_schedule import Schedule, resolve
 
         self.max_grad_norm = float(cfg.grad_clip)
         self.norm_group = pp_group

@@ -26,7 +26,7 @@ import contextlib
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from .runner import local_tensor
+from nbpar.measure.holdings import local_tensor
 
 
 class SavedActivations:

@@ -1,5 +1,5 @@
 """Megatron-LM tensor parallelism (Shoeybi et al., 2019) via DTensor, for any model
-that declares a tensor-parallel plan (`nbpar.train.plan`): TinyGPT, hf:llama.
+that declares a tensor-parallel plan (`nbpar.model.plan`): TinyGPT, hf:llama.
 
 Each Block's attention and feed-forward are split across the ranks of the
 "tp" mesh dimension: the first linear(s) column-wise (Megatron's ``f``: copy the
@@ -16,10 +16,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
-from nbpar.train.models import gpt_block_plan
-from nbpar.train.plan import check_tp_degree, require
+from nbpar.measure.holdings import local_tensor
+from nbpar.model.models import gpt_block_plan
+from nbpar.model.plan import check_tp_degree, require
 
-from .runner import StepRunner, local_tensor
+from .runner import StepRunner
 
 
 def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -78,7 +79,7 @@ class TensorParallelRunner(StepRunner):
     """
 
     def __init__(self, *args, dp_group=None, fsdp: bool = False, **kwargs):
-        from nbpar.train.metrics import CommTimer
+        from nbpar.measure.metrics import CommTimer
 
         super().__init__(*args, **kwargs)
         self.dp_group = dp_group
@@ -127,7 +128,7 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> StepRunner:
     from nbpar.parallel.common import autocast_dtype, make_optimizer, model_device_type
 
     if loss_fn is None:
-        from nbpar.train.models import loss_fn as model_loss
+        from nbpar.model.models import loss_fn as model_loss
 
         loss_fn = model_loss(cfg)
     device_type = model_device_type(model)

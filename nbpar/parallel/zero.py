@@ -15,14 +15,15 @@ import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from nbpar.measure.holdings import optimizer_state_tensors, tensor_bytes
 from nbpar.parallel.ddp import DDPRunner
-from nbpar.parallel.runner import StepRunner, optimizer_state_tensors, tensor_bytes
+from nbpar.parallel.runner import StepRunner
 
 
 def model_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks to shard one by one: the model's declared plan
-    (`nbpar.train.plan`), else a ``layers`` container, else none (one unit, the root)."""
-    from nbpar.train.plan import plan_of
+    (`nbpar.model.plan`), else a ``layers`` container, else none (one unit, the root)."""
+    from nbpar.model.plan import plan_of
 
     plan = plan_of(model)
     if plan is not None:
@@ -152,7 +153,7 @@ class FSDPRunner(StepRunner):
 def build_runner(model, cfg, mesh, loss=None) -> StepRunner:
     """The runner of torch ZeRO ``cfg.strategy`` over ``mesh["dp"]``.
 
-    ``loss`` defaults to ``nbpar.train.models.loss_fn(cfg)``.
+    ``loss`` defaults to ``nbpar.model.models.loss_fn(cfg)``.
     """
     from nbpar.parallel.common import (
         autocast_dtype,
@@ -162,13 +163,13 @@ def build_runner(model, cfg, mesh, loss=None) -> StepRunner:
     )
 
     if loss is None:
-        from nbpar.train.models import loss_fn
+        from nbpar.model.models import loss_fn
 
         loss = loss_fn(cfg)
     device_type = model_device_type(model)
     dp_mesh = mesh["dp"]
     if cfg.strategy == "zero1":
-        from nbpar.train.metrics import CommTimer
+        from nbpar.measure.metrics import CommTimer
 
         timer = CommTimer()
         cls, kwargs = optimizer_spec(cfg)

@@ -23,9 +23,9 @@ def train_on_engine(cfg: dict, run_id: str, models: dict | None = None) -> dict:
     kernel's `nbpar.register_model` entries the config names."""
     from ipyparallel.datapub import publish_data
 
+    from nbpar.model.registry import adopt
     from nbpar.pool import worker
     from nbpar.train.loop import run_training
-    from nbpar.train.registry import adopt
 
     adopt(models or {})
     seq = itertools.count()
@@ -69,7 +69,7 @@ class Run:
     """One ``pool.train(cfg)``: live history, ``wait()``, ``stop()``, ``result()``."""
 
     def __init__(self, pool, cfg, ranks):
-        from nbpar.train.registry import entry, portable_fields
+        from nbpar.model.registry import entry, portable_fields
 
         self.pool, self.cfg, self.ranks = pool, cfg, ranks
         self.run_id = uuid.uuid4().hex[:12]
@@ -186,8 +186,8 @@ class Run:
     def estimate(self):
         """The analytic memory estimate for this run's model, strategy and degrees."""
         from nbpar.estimate import estimate_config
-        from nbpar.train.models import build_model
-        from nbpar.train.plan import tp_replicated_parameters
+        from nbpar.model.models import build_model
+        from nbpar.model.plan import tp_replicated_parameters
 
         world = len(self.ranks)
         model = build_model(self.cfg)
@@ -211,7 +211,7 @@ class Run:
         self.dashboard = Dashboard(self).show()
 
     def __repr__(self):
-        from nbpar.train.registry import display_name
+        from nbpar.model.registry import display_name
 
         steps = {rec["step"] for rec in self.history}
         state = "done" if self.done() else "running"
@@ -225,7 +225,7 @@ class Run:
 def start_run(pool, cfg=None, **overrides) -> Run:
     """Validate ``cfg`` against the pool (before any engine works) and start it."""
     from nbpar.config import TrainConfig
-    from nbpar.train.probe import check_model
+    from nbpar.probe import check_model
 
     if cfg is None:
         cfg = TrainConfig(**overrides)

@@ -3,8 +3,8 @@
 The figures have the keys of a real run's per-rank result (`nbpar.train.loop`):
 ``param_bytes``, ``grad_bytes``, ``optim_bytes`` held after the step (the runner's own
 count), ``activation_bytes`` and ``peak_bytes`` from the same meter
-(`nbpar.train.memtrack.StepMemory`), ``comm_bytes`` and ``comm_bytes_by_op`` from
-`nbpar.train.comm.CommMeter`; plus what only a simulation splits out:
+(`nbpar.measure.memtrack.StepMemory`), ``comm_bytes`` and ``comm_bytes_by_op`` from
+`nbpar.measure.comm.CommMeter`; plus what only a simulation splits out:
 ``comm_buffer_bytes`` and ``temp_bytes`` at the peak (`nbpar.simulate.meter`).
 """
 
@@ -69,12 +69,12 @@ def warm_up(runner, batches) -> None:
 def simulate_rank(cfg, dims, rank: int) -> dict:
     """Figures of ``rank`` after a warm-up step and one measured step of ``grad_accum``
     micro-batches."""
+    from nbpar.measure.comm import CommMeter
+    from nbpar.measure.metrics import step_peak_bytes
+    from nbpar.model.models import build_model
     from nbpar.simulate.meter import SimMemory
     from nbpar.simulate.runners import make_runner
     from nbpar.simulate.world import fake_rank
-    from nbpar.train.comm import CommMeter
-    from nbpar.train.metrics import step_peak_bytes
-    from nbpar.train.models import build_model
 
     with fake_rank(rank, dims) as (mesh, _mode):
         try:

@@ -1,6 +1,6 @@
 """The memory meter of a real run, plus the communication buffers a simulated step holds.
 
-`SimMemory` is `nbpar.train.memtrack.StepMemory` (same peak, same activations, so a
+`SimMemory` is `nbpar.measure.memtrack.StepMemory` (same peak, same activations, so a
 simulated rank and a real one are measured alike) that also follows the storages a
 collective reads or writes (FSDP2's all-gather outputs and reduce-scatter inputs, the
 flat gradient of an all-reduce, pipeline send/recv buffers) while they live, and
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_leaves
 
-from nbpar.train.memtrack import StepMemory, _storage
+from nbpar.measure.memtrack import StepMemory, _storage
 
 COMM_NAMESPACES = ("c10d", "_c10d_functional")
 

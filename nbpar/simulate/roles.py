@@ -1,6 +1,6 @@
 """Which ranks of a layout hold the same thing, and the one rank simulated for each.
 
-Ranks are laid out pp-major, tp fastest (`nbpar.parallel.mesh.ParallelDims`). Ranks of
+Ranks are laid out pp-major, tp fastest (`nbpar.dims.ParallelDims`). Ranks of
 one pipeline stage hold the same layers, and tensor- and data-parallel ranks hold equal
 shares of them (FSDP2 pads uneven shards; `check_tp` refuses a tp that does not divide
 heads and widths), so one rank per stage stands for the stage: its first rank.

@@ -16,7 +16,7 @@ DeepSpeed is refused: its engine flattens and copies real parameters at initiali
 
 from __future__ import annotations
 
-from nbpar.parallel.runner import optimizer_state_tensors, tensor_bytes
+from nbpar.measure.holdings import optimizer_state_tensors, tensor_bytes
 from nbpar.parallel.tensor import TensorParallelRunner
 from nbpar.strategies import PIPELINED
 
@@ -44,8 +44,8 @@ def check_simulable(cfg) -> None:
 def _data_parallel_standin(model, cfg, mesh):
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
+    from nbpar.model.models import loss_fn
     from nbpar.parallel.common import autocast_dtype, make_optimizer, optimizer_spec
-    from nbpar.train.models import loss_fn
 
     dp = mesh["dp"]
     group = dp.get_group() if dp.size() > 1 else None

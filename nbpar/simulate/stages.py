@@ -107,9 +107,9 @@ class StageStep(StepRunner):
 
 def build_stage_runner(model: nn.Module, cfg, mesh, rank: int) -> StageStep:
     """The stage of ``rank``: cut, tp-split, dp-sharded as a real hybrid run does."""
+    from nbpar.model.models import loss_fn
     from nbpar.parallel.common import autocast_dtype, make_optimizer
     from nbpar.parallel.tensor import apply_tp
-    from nbpar.train.models import loss_fn
 
     pp, dp, tp = mesh["pp"].size(), mesh["dp"].size(), mesh["tp"].size()
     stage = mesh["pp"].get_local_rank()

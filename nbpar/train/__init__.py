@@ -1,11 +1,10 @@
-"""Engine side: what runs inside each engine process during a training run.
+"""The engine loop: what runs inside each engine process during a training run.
 
-`loop` (the step loop, any strategy), `models`, `data`, `checkpoint` and
-`checkpoint_meta`, `lr_schedule`, and the measurement a run publishes: `metrics`
-(memory and communication), `timeline` (the pipeline's measured bubble),
-`userlog` (``nbpar.log`` from your own ``%%dist`` code). May import the top level
-and `nbpar.parallel`; never `nbpar.pool` or `nbpar.view`. Importing this package
-imports nothing else.
+`loop` (the step loop, any strategy), `checkpoint` (save and resume), `ddp_script`
+(the same run as a plain torchrun script) and `userlog` (``nbpar.log`` from your own
+``%%dist`` code). May import every layer below it (model, measure, strategies, parallel,
+estimate, config); never `nbpar.pool` or `nbpar.view`. Importing this package imports
+nothing else.
 """
 
 from __future__ import annotations

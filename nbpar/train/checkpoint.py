@@ -14,7 +14,7 @@ A runner with a DeepSpeed ``engine`` goes through ``engine.save_checkpoint`` /
     def load_checkpoint(self, path: str, *, distributed: bool) -> None
 
 Writes go to a temp folder renamed after every rank finished, then the
-``latest`` pointer flips atomically (see `nbpar.train.checkpoint_meta` for the layout).
+``latest`` pointer flips atomically (see `nbpar.checkpoint_meta` for the layout).
 """
 
 from __future__ import annotations
@@ -32,22 +32,20 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from nbpar.train.checkpoint_meta import (
+from nbpar.checkpoint_meta import (
     FORMAT_VERSION,
     LATEST,
     META,
-    atomic_path,
-    atomic_write_text,
     check_resume,
     checkpoint_format,
-    fsync_dir,
     list_checkpoints,
     model_signature,
     read_meta,
     resolve,
     step_name,
 )
-from nbpar.train.registry import json_fields
+from nbpar.files import atomic_path, atomic_write_text, fsync_dir
+from nbpar.model.registry import json_fields
 
 # per-FQN optimizer keys (also param_groups): ranks holding different parameters
 # (pipeline stages, ZeRO-1 partitions) never collide, and any layout can read them
@@ -248,13 +246,13 @@ def consolidate(checkpoint_path, out_file) -> str:
 
     ``checkpoint_path`` is a ``step_*`` folder or a checkpoint_dir (its
     ``latest``). The file holds a plain ``{name: tensor}`` dict for
-    ``nbpar.train.models.build_model(cfg).load_state_dict``: a name ending in
+    ``nbpar.model.models.build_model(cfg).load_state_dict``: a name ending in
     ``.safetensors`` is written with safetensors (tensors and a JSON header, no pickle,
     so loading it runs no code; ``safetensors.torch.load_file``), any other with
     ``torch.save`` (``torch.load(out_file, weights_only=True)``). Runs in one process.
     """
     from nbpar.config import TrainConfig
-    from nbpar.train.models import build_model
+    from nbpar.model.models import build_model
 
     step_dir = resolve(checkpoint_path)
     meta = read_meta(step_dir)

@@ -24,10 +24,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from nbpar import device
 from nbpar.config import TrainConfig
+from nbpar.model.data import build_loader
+from nbpar.model.models import build_model, loss_fn
+from nbpar.model.registry import json_fields
 from nbpar.parallel.common import make_optimizer
-from nbpar.train.data import build_loader
-from nbpar.train.models import build_model, loss_fn
-from nbpar.train.registry import json_fields
 
 SCRIPT, CONFIG = "train_ddp.py", "config.json"
 

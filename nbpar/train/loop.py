@@ -26,15 +26,15 @@ import torch.distributed as dist
 
 from nbpar import device
 from nbpar.config import TrainConfig
+from nbpar.measure.comm import CommMeter, exchange_launches
+from nbpar.measure.memtrack import StepMemory
+from nbpar.measure.metrics import CommTimer, memory_snapshot, step_peak_bytes
+from nbpar.measure.step_split import step_shares
+from nbpar.model.data import build_loader
+from nbpar.model.models import build_model
 from nbpar.parallel import build_runner
 from nbpar.parallel.mesh import cached_mesh
 from nbpar.train import checkpoint
-from nbpar.train.comm import CommMeter, exchange_launches
-from nbpar.train.data import build_loader
-from nbpar.train.memtrack import StepMemory
-from nbpar.train.metrics import CommTimer, memory_snapshot, step_peak_bytes
-from nbpar.train.models import build_model
-from nbpar.train.step_split import step_shares
 
 
 class _Batches:

@@ -1,7 +1,7 @@
 """What draws, in the kernel and in the browser: the live `dashboard` (its panels drawn
 client-side by `livechart` from the steps `live` reads), static matplotlib `panels` and
 `plots`, `compare`, the `widgets` (StrategyPicker, with `picker_rules` and
-`picker_runs`), `memory_plot` (the estimator's figure), `history` (step records grouped
+`picker_runs`), `history` (step records grouped
 the way every figure reads them), `export` (TensorBoard, Prometheus, W&B) and `teaching`
 (the notebooks' figures and small experiments). Reads what a run published; may import
 anything above it, nothing imports it at import time. Importing this package imports

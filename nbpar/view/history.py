@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 
-from nbpar.train.step_split import step_shares
+from nbpar.measure.step_split import step_shares
 
 MEMORY_PARTS = ("param_bytes", "grad_bytes", "optim_bytes")
 #: Communication above this share of the step time is worth a look (Megatron-LM
@@ -70,7 +70,7 @@ def comm_split(
 ) -> tuple[float, float, float, float]:
     """(exposed_s, wait_s, hidden_s, step_s) of one rank, from its latest metered step.
 
-    A run meters some steps' collectives at the c10d layer (`nbpar.train.comm.CommMeter`,
+    A run meters some steps' collectives at the c10d layer (`nbpar.measure.comm.CommMeter`,
     which sees every strategy's ops; `nbpar.train.loop.is_metered` says which steps):
     ``exposed_s`` is the time with an op in flight, every rank of its group joined, and no
     compute running; ``wait_s`` the time no compute ran while every op in flight still

@@ -174,7 +174,7 @@ def problems(values: dict, world: int) -> list[str]:
 def model_options(current) -> list[tuple[str, object]]:
     """The model dropdown: built-ins, Hugging Face families, `nbpar.register_model`
     names, and the picker's own model when it is a factory."""
-    from nbpar.train.registry import display_name, model_names
+    from nbpar.model.registry import display_name, model_names
 
     names = model_names()
     extra = [] if isinstance(current, str) and current in names else [current]

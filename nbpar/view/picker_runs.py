@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import html
 
-from nbpar.train.registry import display_name
+from nbpar.model.registry import display_name
 from nbpar.view.history import as_history, run_label, steps_done
 
 

@@ -30,7 +30,7 @@
 # %%
 # %matplotlib inline
 import nbpar
-import nbpar.train.data
+import nbpar.model.data
 import nbpar.view.plots
 # %load_ext nbpar
 
@@ -51,7 +51,7 @@ pool
 import torch
 import torch.distributed as dist
 from torch import nn
-from nbpar.train.models import SimpleCNN
+from nbpar.model.models import SimpleCNN
 
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(rank)
@@ -62,7 +62,7 @@ print(f"{n_params} parameters, first conv weight {model.conv.weight[0, 0, 0, 0].
 # %% [markdown]
 # ## The data: CIFAR-10 files, read by the real loader
 #
-# `nbpar.train.data.cifar10_root()` returns a folder in the CIFAR-10 python format
+# `nbpar.model.data.cifar10_root()` returns a folder in the CIFAR-10 python format
 # (`data_batch_1..5`, `test_batch`, `batches.meta`). Without internet it writes a small
 # *synthetic* set in exactly that format (learnable class colours and stripes), so the
 # reader below is the same code that reads the real 170 MB download. Every rank reads
@@ -70,7 +70,7 @@ print(f"{n_params} parameters, first conv weight {model.conv.weight[0, 0, 0, 0].
 
 # %%
 # %%dist
-from nbpar.train.data import CIFAR10, cifar10_root
+from nbpar.model.data import CIFAR10, cifar10_root
 
 dataset = CIFAR10(cifar10_root(None, seed=0), train=True)
 x0, y0 = dataset[0]
@@ -184,7 +184,7 @@ cfg = nbpar.TrainConfig(model="simple_cnn", strategy="ddp", micro_batch=16, step
                         lr=1e-2, seed=0)
 run = pool.train(cfg).wait()
 res = run.result()
-print(nbpar.train.data.global_batch_line(cfg.micro_batch, cfg.grad_accum, pool.n))
+print(nbpar.model.data.global_batch_line(cfg.micro_batch, cfg.grad_accum, pool.n))
 first, last = sum(res["losses"][:3]) / 3, sum(res["losses"][-3:]) / 3
 print(f"mean loss of the first 3 steps {first:.1f}, of the last 3 {last:.1f}")
 assert last < first / 3

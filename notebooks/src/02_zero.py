@@ -31,7 +31,7 @@
 # %matplotlib inline
 import nbpar
 import nbpar.estimate
-import nbpar.train.models
+import nbpar.model.models
 import nbpar.view.plots
 import nbpar.view.teaching
 from matplotlib.figure import Figure
@@ -140,7 +140,7 @@ if rank == 0:
 # %%
 # %%dist
 from nbpar.config import TrainConfig
-from nbpar.train.models import build_model, next_token_loss
+from nbpar.model.models import build_model, next_token_loss
 
 ds_config = {
     "train_micro_batch_size_per_gpu": 8,
@@ -172,7 +172,7 @@ print(f"ffn.w1: full shape {tuple(w1.ds_shape)}, this rank stores {w1.ds_tensor.
 # %%dist
 # NBVAL_IGNORE_OUTPUT (bf16 losses: the last digit depends on the CPU's bf16 kernels)
 from torch.utils.data import DataLoader, DistributedSampler
-from nbpar.train.data import ByteWindows, pysource_bytes
+from nbpar.model.data import ByteWindows, pysource_bytes
 
 data = ByteWindows(pysource_bytes(), seq_len=32)       # bytes of the Python stdlib
 sampler = DistributedSampler(data, shuffle=True, seed=0)
@@ -246,7 +246,7 @@ for stage in (1, 2, 3):
 base = dict(model="tiny_gpt", micro_batch=8, steps=10, lr=1e-3, seed=0)
 runs = {s: pool.train(nbpar.TrainConfig(strategy=s, **base)).wait()
         for s in ("ddp", "zero1", "zero2", "zero3")}
-n_params = sum(p.numel() for p in nbpar.train.models.build_model(nbpar.TrainConfig(**base)).parameters())
+n_params = sum(p.numel() for p in nbpar.model.models.build_model(nbpar.TrainConfig(**base)).parameters())
 print(f"TinyGPT: {n_params} parameters")
 for s, run in runs.items():
     res = run.result()

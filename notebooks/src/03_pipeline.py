@@ -32,7 +32,7 @@
 # %%
 # %matplotlib inline
 import nbpar
-import nbpar.train.timeline
+import nbpar.measure.timeline
 from matplotlib.figure import Figure
 # %load_ext nbpar
 
@@ -93,7 +93,7 @@ for schedule, values in losses.items():
 # %%
 fig = Figure(figsize=(10, 7.5), layout="constrained")
 for ax, (schedule, events) in zip(fig.subplots(3, 1), timelines.items()):
-    nbpar.train.timeline.plot_timeline(events, ax=ax, p=2, m=8)
+    nbpar.measure.timeline.plot_timeline(events, ax=ax, p=2, m=8)
     ax.set_title(f"{schedule}: {ax.get_title()}", fontsize="medium")
 fig
 
@@ -141,7 +141,7 @@ for m in ms:
     res = run.result()
     measured.append(res["bubble_fraction"])
     forced.append(res["schedule_bubble_fraction"])
-theory = [nbpar.train.timeline.theory_bubble(p=2, m=m) for m in ms]
+theory = [nbpar.measure.timeline.theory_bubble(p=2, m=m) for m in ms]
 print("theory:", [round(t, 3) for t in theory])
 assert all(b >= f - 1e-9 for b, f in zip(measured, forced))  # the replay is a lower bound
 
@@ -160,7 +160,7 @@ ax.figure
 
 # %% [markdown]
 # "Forced by the schedule" replays each step's boxes with their measured lengths and no
-# time between them (`nbpar.train.timeline.schedule_bubble`): it is the formula plus
+# time between them (`nbpar.measure.timeline.schedule_bubble`): it is the formula plus
 # what unequal stages add. The measured bubble minus it is what the sends between the
 # stages and the work between boxes add. What this run measured:
 

@@ -87,8 +87,8 @@ nbpar.view.teaching.plot_tp_split(d_model=32, ffn_dim=128, tp=2)
 # %%
 # %%dist
 from nbpar.config import GPTConfig, TrainConfig
-from nbpar.train.models import build_model
-from nbpar.parallel.mesh import ParallelDims
+from nbpar.model.models import build_model
+from nbpar.dims import ParallelDims
 from nbpar.parallel.tensor import apply_tp
 
 cfg = TrainConfig(model="tiny_gpt", strategy="tp", gpt=GPTConfig(d_model=32, n_heads=4))
@@ -158,8 +158,8 @@ nbpar.view.plots.plot_loss_difference(tp_losses, single_losses, labels=("tp=2", 
 # %%
 from nbpar.comm_estimate import comm_bytes_per_step
 from nbpar.estimate import estimate_memory, format_bytes
-from nbpar.train.models import build_model
-from nbpar.train.plan import tp_replicated_parameters
+from nbpar.model.models import build_model
+from nbpar.model.plan import tp_replicated_parameters
 
 model = build_model(nbpar.TrainConfig(**common))
 n, whole = sum(p.numel() for p in model.parameters()), tp_replicated_parameters(model)

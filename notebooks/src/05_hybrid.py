@@ -66,7 +66,7 @@ pool
 # %%
 # %%dist
 import torch.distributed as dist
-from nbpar.parallel.mesh import ParallelDims
+from nbpar.dims import ParallelDims
 
 dims = ParallelDims(dp=2, tp=2, world_size=dist.get_world_size())
 mesh = dims.build_mesh("cpu")

@@ -29,11 +29,11 @@
 # %%
 # %matplotlib inline
 import nbpar
-import nbpar.train.data
+import nbpar.model.data
 import nbpar.view.plots
 import nbpar.view.teaching
 import nbpar.estimate
-import nbpar.train.models
+import nbpar.model.models
 from matplotlib.figure import Figure
 # %load_ext nbpar
 
@@ -56,7 +56,7 @@ common = dict(model="simple_cnn", strategy="ddp", micro_batch=1, steps=30, lr=1e
 small = nbpar.TrainConfig(grad_accum=1, **common)
 accum = nbpar.TrainConfig(grad_accum=16, **common)
 for cfg in (small, accum):
-    print(nbpar.train.data.global_batch_line(cfg.micro_batch, cfg.grad_accum, pool.n))
+    print(nbpar.model.data.global_batch_line(cfg.micro_batch, cfg.grad_accum, pool.n))
 run_small = pool.train(small).wait()
 run_accum = pool.train(accum).wait()
 
@@ -118,7 +118,7 @@ for strategy in ("ddp", "zero3"):
     for name, (micro, k) in cases.items():
         cfg = nbpar.TrainConfig(strategy=strategy, micro_batch=micro, grad_accum=k, **four)
         peak[strategy, name] = pool.train(cfg).result()["ranks"][0]["peak_bytes"]
-grads = 4 * sum(p.numel() for p in nbpar.train.models.build_model(cfg).parameters())
+grads = 4 * sum(p.numel() for p in nbpar.model.models.build_model(cfg).parameters())
 fmt = nbpar.estimate.format_bytes
 for (strategy, name), b in peak.items():
     print(f"{strategy:5s} {name:18s} peak {fmt(b)}")

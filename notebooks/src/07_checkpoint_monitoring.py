@@ -161,7 +161,7 @@ assert held["zero3"] < 0.6 * held["ddp"]
 # machinery by `model.load_state_dict`:
 
 # %%
-from nbpar.train.models import build_model, next_token_loss
+from nbpar.model.models import build_model, next_token_loss
 
 out_file = nbpar.train.checkpoint.consolidate(ckpt, os.path.join(workdir, "tiny_gpt.pt"))
 state = torch.load(out_file, weights_only=True)

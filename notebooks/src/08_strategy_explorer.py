@@ -28,7 +28,7 @@
 # %%
 # %matplotlib inline
 import nbpar
-import nbpar.train.models
+import nbpar.model.models
 from nbpar.view.dashboard import Dashboard
 # %load_ext nbpar
 
@@ -128,7 +128,7 @@ for row in comparison.table:
 from nbpar.comm_estimate import comm_bytes_per_step
 from nbpar.estimate import format_bytes
 
-psi = 4 * sum(p.numel() for p in nbpar.train.models.build_model(
+psi = 4 * sum(p.numel() for p in nbpar.model.models.build_model(
     nbpar.TrainConfig(**base)).parameters())                    # fp32 bytes of the model
 g = nbpar.GPTConfig()
 act = base["micro_batch"] * g.seq_len * g.d_model * 4

@@ -93,7 +93,7 @@ LLAMA = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 16,
          "num_attention_heads": 12, "num_key_value_heads": 4}
 base = dict(model="hf:llama", model_config=LLAMA, micro_batch=1, steps=2, lr=3e-4)
 with torch.device("meta"):  # the structure only, no weights
-    llama = nbpar.train.models.build_model(nbpar.TrainConfig(**base))
+    llama = nbpar.model.models.build_model(nbpar.TrainConfig(**base))
 print(f"{nbpar.estimate.count_parameters(llama) / 1e6:.1f}M parameters")
 for s in ("ddp", "zero3"):
     print(nbpar.estimate_memory(llama, pool.n, s).table())
@@ -139,7 +139,7 @@ except ValueError as err:
 
 # %% [markdown]
 # A module of your own gets the same by declaring its blocks: a `parallel_plan()`
-# method returning `nbpar.train.plan.ModelPlan` (the blocks, a DTensor split per
+# method returning `nbpar.model.plan.ModelPlan` (the blocks, a DTensor split per
 # block, which parts only the first and the last pipeline stage keep).
 # `activation_checkpointing=True` recomputes each block's activations in backward
 # instead of keeping them.

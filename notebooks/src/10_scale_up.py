@@ -123,7 +123,7 @@ for row, strategy in zip(rows, ("ddp", "zero1", "zero2", "zero3")):
 # %%
 import torch
 
-from nbpar.train.models import build_model
+from nbpar.model.models import build_model
 
 n_params = sims["ddp"]["ranks"][0]["param_bytes"] // 4  # fp32 weights, unsharded
 with torch.device("meta"):  # shapes only
@@ -147,7 +147,7 @@ assert sims["zero1"]["ranks"][0]["optim_bytes"] == 8 * biggest
 #
 # ## 70B on 1,024 GPUs: a 3D layout
 #
-# transformers' Llama with Llama 3 70B's shape (`nbpar.train.hf.LLAMA_3_70B`: width 8192,
+# transformers' Llama with Llama 3 70B's shape (`nbpar.model.hf.LLAMA_3_70B`: width 8192,
 # 80 decoder layers, 64 heads, 8 key/value heads, a 128,256-token vocabulary; 70.6B
 # parameters, random weights on fake tensors) on dp 32 x tp 8 x pp 4, 1F1B with 4
 # micro-batches of 1 x 512 tokens, bf16 autocast. Four ranks are simulated, one per
@@ -155,7 +155,7 @@ assert sims["zero1"]["ranks"][0]["optim_bytes"] == 8 * biggest
 # (`benchmarks/simulate_scale.py` times the same call):
 
 # %%
-from nbpar.train.hf import LLAMA_3_70B
+from nbpar.model.hf import LLAMA_3_70B
 
 cfg70 = nbpar.TrainConfig(model="hf:llama", model_config=LLAMA_3_70B, strategy="hybrid",
                           dp=32, tp=8, pp=4, micro_batch=1, grad_accum=4, precision="mixed",

@@ -29,8 +29,8 @@
 # %%
 # %matplotlib inline
 import nbpar
-import nbpar.train.data
-import nbpar.train.packed
+import nbpar.model.data
+import nbpar.model.packed
 from matplotlib.figure import Figure
 
 # %%
@@ -80,18 +80,18 @@ configs = {"batch 8, lr 0.01": config(1, BASE_LR),
            "batch 64, lr 0.08 + warm-up": config(8, 8 * BASE_LR, schedule=True),
            "batch 128, lr 0.16 + warm-up": config(16, 16 * BASE_LR, schedule=True)}
 for name, cfg in configs.items():
-    print(f"{name:29s} {nbpar.train.data.global_batch_line(cfg.micro_batch, cfg.grad_accum, pool.n)}, "
+    print(f"{name:29s} {nbpar.model.data.global_batch_line(cfg.micro_batch, cfg.grad_accum, pool.n)}, "
           f"{cfg.steps} steps")
 losses = {name: pool.train(cfg).result()["losses"] for name, cfg in configs.items()}
 
 # %% [markdown]
 # The warm-up as the update rule really applies it: the learning rate read back from
-# the optimizer after each step of the schedule (`nbpar.train.lr_schedule`, the same
+# the optimizer after each step of the schedule (`nbpar.model.lr_schedule`, the same
 # code the engines ran), and the loss of every run against the samples it has seen:
 
 # %%
 from nbpar.parallel import build_runner
-from nbpar.train.models import build_model
+from nbpar.model.models import build_model
 
 
 def lr_per_step(cfg):
@@ -216,14 +216,14 @@ rng = np.random.default_rng(0)
 images = rng.integers(0, 256, size=(2048, 3, 32, 32), dtype=np.uint8)
 labels = rng.integers(0, 10, size=2048)
 workdir = tempfile.mkdtemp()
-folder = nbpar.train.packed.write_files(images, labels, os.path.join(workdir, "files"))
-h5_path = nbpar.train.packed.write_hdf5(images, labels, os.path.join(workdir, "data.h5"))
+folder = nbpar.model.packed.write_files(images, labels, os.path.join(workdir, "files"))
+h5_path = nbpar.model.packed.write_hdf5(images, labels, os.path.join(workdir, "data.h5"))
 n_files = sum(len(files) for _, _, files in os.walk(folder))
 print(f"{n_files} files ({n_files - 1} samples + meta), one HDF5 file of "
       f"{os.path.getsize(h5_path) / 2**20:.0f} MiB")
-per_file = nbpar.train.packed.FileDataset(folder)
-hdf5 = nbpar.train.packed.HDF5Dataset(h5_path)
-in_ram = nbpar.train.packed.HDF5Dataset(h5_path, in_memory=True)
+per_file = nbpar.model.packed.FileDataset(folder)
+hdf5 = nbpar.model.packed.HDF5Dataset(h5_path)
+in_ram = nbpar.model.packed.HDF5Dataset(h5_path, in_memory=True)
 assert all(bool((per_file[i][0] == hdf5[i][0]).all()) and per_file[i][1] == hdf5[i][1] == in_ram[i][1]
            for i in (0, 1000, 2047))
 print("the same samples in every store")
@@ -248,7 +248,7 @@ def batches_of(dataset, batch_size):
     if dataset.in_memory:  # any order: one gather from RAM
         sampler = BatchSampler(RandomSampler(dataset), batch_size, drop_last=True)
     else:  # shuffled order of contiguous batches: one read each
-        sampler = nbpar.train.packed.BlockBatchSampler(len(dataset), batch_size)
+        sampler = nbpar.model.packed.BlockBatchSampler(len(dataset), batch_size)
     return DataLoader(dataset, sampler=sampler, batch_size=None)
 
 
@@ -289,21 +289,21 @@ print("contiguous reads from the HDF5 file and the copy staged in RAM: each more
 # Python "decoding" per sample, standing in for JPEG decoding or tokenising) through a
 # bare loader ([06_pitfalls](06_pitfalls.ipynb), section 2). Here the same kind of data
 # set feeds training steps of `SimpleCNN` (batch 32, 8 SGD steps, one core), and
-# `nbpar.train.packed.time_input_pipeline` times apart the wait for each batch and the
+# `nbpar.model.packed.time_input_pipeline` times apart the wait for each batch and the
 # compute (forward, backward, update). The share of the step spent computing is what a
 # GPU's utilisation counter would show. Three attempts at a fix: 2 worker processes with
 # prefetch, decoding once into an HDF5 file read in contiguous batches, and that file
 # staged in RAM.
 
 # %%
-from nbpar.train.models import SimpleCNN
+from nbpar.model.models import SimpleCNN
 from nbpar.view.teaching import SlowDataset
 
 slow = SlowDataset(n=256, delay_s=0.01)
 decoded = [slow[i] for i in range(len(slow))]  # decode once ...
-packed_path = nbpar.train.packed.write_hdf5(np.stack([x for x, _ in decoded]), [y for _, y in decoded],
+packed_path = nbpar.model.packed.write_hdf5(np.stack([x for x, _ in decoded]), [y for _, y in decoded],
                                             os.path.join(workdir, "decoded.h5"))  # ... and pack
-packed = nbpar.train.packed.HDF5Dataset(packed_path)
+packed = nbpar.model.packed.HDF5Dataset(packed_path)
 assert all(bool((packed[i][0].numpy() == slow[i][0]).all()) for i in (0, 255))
 print("decoded once into", os.path.basename(packed_path), "- the same samples as the slow set")
 
@@ -314,11 +314,11 @@ feeds = {"decode per sample,\n0 workers": DataLoader(slow, batch_size=32, shuffl
                                                               num_workers=2, prefetch_factor=4),
          "decoded once, HDF5\ncontiguous batches": batches_of(packed, 32),
          "decoded once,\nstaged in RAM": batches_of(
-             nbpar.train.packed.HDF5Dataset(packed_path, in_memory=True), 32)}
+             nbpar.model.packed.HDF5Dataset(packed_path, in_memory=True), 32)}
 split = {}
 for name, loader in feeds.items():
     torch.manual_seed(0)
-    split[name] = nbpar.train.packed.time_input_pipeline(SimpleCNN(), loader, steps=8)
+    split[name] = nbpar.model.packed.time_input_pipeline(SimpleCNN(), loader, steps=8)
 for name, s in split.items():
     print(f"{name.replace(chr(10), ' '):40s} waiting for data {s['wait_fraction']:4.0%}, "
           f"computing {1 - s['wait_fraction']:4.0%} of {1000 * (s['data_s'] + s['compute_s']) / s['steps']:5.1f} ms/step")

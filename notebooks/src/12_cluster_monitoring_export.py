@@ -214,7 +214,7 @@ print("record keys:", sorted(k for k in rec if k.endswith(("_bytes", "_s", "_pct
 # a classic bug: a loss function that keeps every step's output "for metrics later".
 
 # %%
-from nbpar.train.models import next_token_loss
+from nbpar.model.models import next_token_loss
 
 kept = []
 
@@ -402,7 +402,7 @@ print("elements in the model file's parameters:", sum(t.numel() for t in module.
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from nbpar.train.models import build_model
+from nbpar.model.models import build_model
 
 with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
     # zero_to_fp32 reports its progress: left out here

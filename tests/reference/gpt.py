@@ -9,8 +9,8 @@ import functools
 import torch
 
 from nbpar.config import GPTConfig, TrainConfig
-from nbpar.train.models import TinyGPT
-from nbpar.train.models import next_token_loss as lm_loss
+from nbpar.model.models import TinyGPT
+from nbpar.model.models import next_token_loss as lm_loss
 
 STEPS, ACCUM, MICRO = 20, 4, 2
 
@@ -67,6 +67,6 @@ def single_losses(steps=STEPS, accum=ACCUM, micro=MICRO):
 
 
 def build_mesh(world, **dims):
-    from nbpar.parallel.mesh import ParallelDims
+    from nbpar.dims import ParallelDims
 
     return ParallelDims(world_size=world, **dims).build_mesh("cpu")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nbpar.train.plan import ModelPlan, run_layers
+from nbpar.model.plan import ModelPlan, run_layers
 
 # small defaults, byte-level vocabulary, untied embeddings (a pipeline can cut them)
 FAMILIES = {

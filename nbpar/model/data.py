@@ -85,7 +85,7 @@ def _read_batch(path: str):
 
 
 def _atomic_pickle(obj, path: str) -> None:
-    from nbpar.train.checkpoint_meta import atomic_path
+    from nbpar.files import atomic_path
 
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         pickle.dump(obj, f, protocol=2)
@@ -211,7 +211,7 @@ class ByteWindows(Dataset):
 
 def build_dataset(cfg, train: bool = True) -> Dataset:
     """The training set named by ``cfg`` (its default for the model when unset), or the
-    one a dataset factory returns (`nbpar.train.registry`)."""
+    one a dataset factory returns (`nbpar.model.registry`)."""
     factory = dataset_factory(cfg)
     if factory is not None:
         return _call_dataset_factory(factory, cfg.dataset)
@@ -227,7 +227,7 @@ def build_dataset(cfg, train: bool = True) -> Dataset:
 
 def dataset_factory(cfg):
     """The callable that makes ``cfg``'s data set, or None for a built-in one."""
-    from nbpar.train import registry
+    from nbpar.model import registry
 
     spec = cfg.dataset
     if spec is None and registry.kind(cfg.model) == "registered":
@@ -238,7 +238,7 @@ def dataset_factory(cfg):
 
 
 def _call_dataset_factory(factory, spec) -> Dataset:
-    from nbpar.train.registry import display_name
+    from nbpar.model.registry import display_name
 
     name = display_name(spec if spec is not None else factory)
     try:

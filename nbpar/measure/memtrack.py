@@ -26,7 +26,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from nbpar.parallel.runner import local_tensor, optimizer_state_tensors
+from nbpar.measure.holdings import local_tensor, optimizer_state_tensors
 
 
 def _storage(t):

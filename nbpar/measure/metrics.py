@@ -13,7 +13,7 @@ import threading
 import time
 
 from nbpar import device
-from nbpar.train.comm import union_s
+from nbpar.measure.comm import union_s
 
 
 def memory_snapshot(pg_backend: str) -> dict[str, int]:
@@ -24,7 +24,7 @@ def memory_snapshot(pg_backend: str) -> dict[str, int]:
 
 def step_peak_bytes(record: dict) -> int:
     """The peak of tracked memory in a step: the device allocator's on a GPU; on a CPU
-    the tracked step's peak (`nbpar.train.memtrack`) or, on other steps, the model
+    the tracked step's peak (`nbpar.measure.memtrack`) or, on other steps, the model
     states held after the step. Never the process's RSS, which is reported apart."""
     if record.get("device_peak_bytes") is not None:
         return record["device_peak_bytes"]
@@ -42,7 +42,7 @@ class CommTimer:
     overlaps with backward compute (DDP's bucketed all-reduce) as well as
     exposed comm (the loss all-reduce). It runs on every step (each record's
     ``comm_s``) but sees only what it wraps; a run's reported ``comm_s``/``exposed_comm_s``
-    and the live view's split come from the metered steps' `nbpar.train.comm.CommMeter`,
+    and the live view's split come from the metered steps' `nbpar.measure.comm.CommMeter`,
     which sees every strategy's ops.
     """
 

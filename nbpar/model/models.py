@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nbpar.train.plan import run_layers
+from nbpar.model.plan import run_layers
 
 # Sizes arrive as a `nbpar.config.GPTConfig`; it is not imported here, since the config
 # builds a model to check a resume (an import would be a cycle).
@@ -103,7 +103,7 @@ class TinyGPT(nn.Module):
 
     def parallel_plan(self):
         """Blocks, the Megatron split of each block, and the pipeline ends."""
-        from nbpar.train.plan import ModelPlan
+        from nbpar.model.plan import ModelPlan
 
         c = self.cfg
         return ModelPlan(
@@ -161,9 +161,9 @@ def build_model(cfg) -> nn.Module:
 
     The global RNG is forked, so building a model neither depends on nor
     changes what the caller's RNG did; every rank gets identical weights.
-    Built-ins, Hugging Face families and factories alike (`nbpar.train.registry`).
+    Built-ins, Hugging Face families and factories alike (`nbpar.model.registry`).
     """
-    from nbpar.train import registry
+    from nbpar.model import registry
 
     kind = registry.kind(cfg.model)
     with torch.random.fork_rng(devices=[]):
@@ -173,7 +173,7 @@ def build_model(cfg) -> nn.Module:
         elif cfg.model == "tiny_gpt":
             model = TinyGPT(cfg.gpt)
         elif kind == "hf":
-            from nbpar.train.hf import build_hf_model
+            from nbpar.model.hf import build_hf_model
 
             model = build_hf_model(cfg.model, cfg.model_config, cfg.gpt.seq_len)
         else:
@@ -182,7 +182,7 @@ def build_model(cfg) -> nn.Module:
         if not hasattr(model, "checkpointing"):
             raise ValueError(
                 f"activation_checkpointing needs a model that runs its blocks "
-                f"through nbpar.train.plan.run_layers (tiny_gpt, hf:*); "
+                f"through nbpar.model.plan.run_layers (tiny_gpt, hf:*); "
                 f"{type(model).__name__} does not"
             )
         model.checkpointing = True
@@ -191,7 +191,7 @@ def build_model(cfg) -> nn.Module:
 
 def _call_factory(cfg) -> nn.Module:
     """Call a model factory (``model_config`` as keyword arguments); one-line errors."""
-    from nbpar.train import registry
+    from nbpar.model import registry
 
     spec = cfg.model
     if registry.kind(spec) == "registered":
@@ -222,7 +222,7 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 def loss_fn(cfg_or_model):
     """The training loss of a config (its ``loss``, else its model's) or of a built-in
     model name; module-level functions or the user's own, so they pickle."""
-    from nbpar.train import registry
+    from nbpar.model import registry
 
     loss, model = getattr(cfg_or_model, "loss", None), getattr(cfg_or_model, "model", cfg_or_model)
     kind = registry.kind(model)

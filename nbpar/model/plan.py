@@ -52,7 +52,7 @@ def require(model: nn.Module, what: str) -> ModelPlan:
     if plan is None:
         raise ValueError(
             f"{what} parallelism needs a model that declares its blocks: "
-            f"{name} has no parallel_plan() method (see nbpar.train.plan.ModelPlan)"
+            f"{name} has no parallel_plan() method (see nbpar.model.plan.ModelPlan)"
         )
     if what == "tensor" and (plan.tp is None or plan.no_tp):
         raise ValueError(

@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader
 
-from nbpar.train.data import build_dataset
-from nbpar.train.models import build_model, loss_fn
-from nbpar.train.plan import check_tp_degree, require
-from nbpar.train.registry import display_name
+from nbpar.model.data import build_dataset
+from nbpar.model.models import build_model, loss_fn
+from nbpar.model.plan import check_tp_degree, require
+from nbpar.model.registry import display_name
 
 
 def _shape(t) -> str:

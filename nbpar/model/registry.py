@@ -1,7 +1,7 @@
 """Where a config's model, data set and loss come from.
 
 A model is one of: a built-in name (``simple_cnn``, ``tiny_gpt``), a Hugging Face
-family (``"hf:gpt2"``, ``"hf:llama"``, see `nbpar.train.hf`), a name given to
+family (``"hf:gpt2"``, ``"hf:llama"``, see `nbpar.model.hf`), a name given to
 `register_model`, a ``"package.module:function"`` string, or a picklable callable.
 Factories return an ``nn.Module``; ``dataset=`` factories a map-style ``Dataset`` of
 ``(input, target)``; ``loss=`` is the loss function itself, ``loss(output, target)``.
@@ -137,7 +137,7 @@ def adopt(entries: dict[str, Registered]) -> None:
 
 def model_names() -> list[str]:
     """Every model a config can name: built-ins, Hugging Face families, registered."""
-    from nbpar.train.hf import FAMILIES
+    from nbpar.model.hf import FAMILIES
 
     return [*BUILTIN, *(f"hf:{f}" for f in FAMILIES), *sorted(_registered)]
 
@@ -177,7 +177,7 @@ def display_name(model) -> str:
 
 def check_model_fields(cfg, builtin_datasets: dict) -> None:
     """Cheap checks of model/model_config/dataset/loss (nothing is imported or built
-    here beyond resolving names; `nbpar.train.probe` builds and runs a first batch)."""
+    here beyond resolving names; `nbpar.probe` builds and runs a first batch)."""
     k = kind(cfg.model)
     if cfg.model_config is not None and not isinstance(cfg.model_config, dict):
         raise ValueError(f"model_config must be a dict, got {cfg.model_config!r}")
@@ -191,7 +191,7 @@ def check_model_fields(cfg, builtin_datasets: dict) -> None:
             f"activation_checkpointing must be True or False, got {cfg.activation_checkpointing!r}"
         )
     if k == "hf":
-        from nbpar.train.hf import family
+        from nbpar.model.hf import family
 
         family(cfg.model)
     reg = _registered.get(cfg.model) if k == "registered" else None
@@ -226,7 +226,7 @@ def known_shape(cfg) -> tuple[int | None, str | None]:
     if cfg.model == "tiny_gpt":
         return cfg.gpt.n_layers, None
     if isinstance(cfg.model, str) and cfg.model.startswith("hf:"):
-        from nbpar.train.hf import SHAPE_KEYS, family, shape
+        from nbpar.model.hf import SHAPE_KEYS, family, shape
 
         return shape(cfg.model, cfg.model_config)[
             "layers"

@@ -15,7 +15,6 @@ time: the client runs `check_resume` before any engine works.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -36,45 +35,6 @@ def step_name(step: int) -> str:
 def checkpoint_format(cfg) -> str:
     """How ``cfg``'s runner writes its state: "deepspeed" (engine files) or "dcp"."""
     return "deepspeed" if cfg.backend == "deepspeed" else "dcp"
-
-
-def fsync_dir(path: str) -> None:
-    """Make a rename inside ``path`` durable (no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def atomic_path(path: str):
-    """Yield a temp path beside ``path`` to write; on success it is fsynced and renamed
-    onto ``path`` (readers see the old file or the whole new one, never half of it)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        yield tmp
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (`atomic_path`)."""
-    with atomic_path(path) as tmp, open(tmp, "w") as f:
-        f.write(text)
 
 
 def list_checkpoints(checkpoint_dir: str) -> list[tuple[int, str]]:
@@ -165,13 +125,13 @@ def model_signature(cfg) -> dict:
     no memory, no weights)."""
     import torch
 
-    from nbpar.train.models import build_model
+    from nbpar.model.models import build_model
 
     with torch.device("meta"):
         model = build_model(cfg)
     shapes = {n: list(p.shape) for n, p in model.named_parameters()}
     digest = hashlib.sha256(json.dumps(sorted(shapes.items())).encode()).hexdigest()[:16]
-    from nbpar.train.registry import display_name
+    from nbpar.model.registry import display_name
 
     return {"name": display_name(cfg.model), "fingerprint": digest, "shapes": shapes}
 
