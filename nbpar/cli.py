@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from nbpar.strategies import BACKENDS, SCHEDULES, STRATEGIES
+from nbpar.strategies import BACKENDS, SCHEDULES, STRATEGIES, engines_for
 
 
 class UsageError(Exception):
@@ -171,28 +171,36 @@ def train_config(args):
         raise UsageError(str(err)) from None
     engines = args.engines
     if engines is None:
-        engines = 1 if cfg.strategy == "single" else 2
+        engines = engines_for(cfg.strategy, 2)
         dims = [d for d in (args.dp, args.tp, args.pp) if d]
         if dims:
             engines = 1
             for d in dims:
                 engines *= d
-    try:
-        cfg.validate(engines)
-        from nbpar.probe import check_model
+    from nbpar.pool.run import checked_config
 
-        check_model(cfg, 1 if cfg.strategy == "single" else engines)  # before a pool starts
+    try:  # the one validation and probe of this run, before a pool starts
+        cfg = checked_config(cfg, engines)
     except (ValueError, TypeError, FileNotFoundError) as err:
-        raise UsageError(str(err)) from None
+        raise UsageError(_flagged(err)) from None
     return cfg, engines
+
+
+def _flagged(err: Exception) -> str:
+    """The error's sentence, led by the flag to change when it names one."""
+    field, text = getattr(err, "field", None), str(err)
+    if field not in TRAIN_FIELDS or text.startswith(field):
+        return text
+    return f"--{field.replace('_', '-')}: {text}"
 
 
 def cmd_train(args) -> dict:
     import nbpar
+    from nbpar.pool.run import launch
 
     cfg, engines = train_config(args)
     with nbpar.Pool(engines) as pool:
-        run = pool.train(cfg)
+        run = launch(pool, cfg)
         if not args.json:
             _follow(run, cfg.steps)
         return run.result()

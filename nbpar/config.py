@@ -13,7 +13,9 @@ import functools
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 
+from nbpar.checks import about, choice, positive_int
 from nbpar.dims import ParallelDims
+from nbpar.errors import ConfigError
 from nbpar.strategies import (
     BACKENDS,
     DEFAULT_SCHEDULE,
@@ -23,6 +25,7 @@ from nbpar.strategies import (
     STRATEGIES,
     check_combination,
     check_model_degrees,
+    reshard_after_forward,
     resolve_degrees,
 )
 
@@ -31,14 +34,9 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 
 
-def _choice(name: str, value, allowed) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r} is not supported; choose one of {', '.join(allowed)}")
-
-
 def _positive(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
+        raise ConfigError(f"{name} must be a positive number, got {value!r}", fields=(name,))
 
 
 @dataclass(kw_only=True)
@@ -61,14 +59,18 @@ class GPTConfig:
     """dropout probability in attention and feed-forward (0 keeps runs comparable)"""
 
     def validate(self) -> GPTConfig:
+        """Raise ConfigError naming the first bad size (``gpt.<field>``); returns self."""
         for f in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "ffn_mult"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"gpt.{f} must be a positive integer, got {v!r}")
+            positive_int(f"gpt.{f}", getattr(self, f))
         if self.d_model % self.n_heads:
-            raise ValueError(f"gpt.n_heads={self.n_heads} must divide gpt.d_model={self.d_model}")
+            raise ConfigError(
+                f"gpt.n_heads={self.n_heads} must divide gpt.d_model={self.d_model}",
+                fields=("gpt.n_heads", "gpt.d_model"),
+            )
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"gpt.dropout must be in [0, 1), got {self.dropout!r}")
+            raise ConfigError(
+                f"gpt.dropout must be in [0, 1), got {self.dropout!r}", fields=("gpt.dropout",)
+            )
         return self
 
 
@@ -163,9 +165,10 @@ class TrainConfig:
             return display_name(self.dataset)
         return DATASETS.get(self.model, ("pysource",))[0]
 
-    def fsdp_reshard_after_forward(self) -> bool:
-        """FSDP2's reshard_after_forward: ZeRO-3 frees params after forward, ZeRO-2 keeps them."""
-        return self.fsdp_reshard if self.fsdp_reshard is not None else self.strategy == "zero3"
+    def fsdp_reshard_after_forward(self) -> bool | None:
+        """FSDP2's reshard_after_forward for this run, None where it uses no FSDP2
+        (`nbpar.strategies.reshard_after_forward`, the one rule)."""
+        return reshard_after_forward(self.strategy, self.fsdp_reshard)
 
     def dims(self, world_size: int) -> ParallelDims:
         """The validated (pp, dp, tp) topology for ``world_size`` engines
@@ -180,106 +183,117 @@ class TrainConfig:
 
     # ---- validation -----------------------------------------------------
     def validate(self, world_size: int | None = None) -> TrainConfig:
-        """Raise ValueError naming the first bad setting; returns self."""
-        _choice("strategy", self.strategy, STRATEGIES)
-        _choice("backend", self.backend, BACKENDS)
-        _choice("schedule", self.schedule, SCHEDULES)
-        _choice("precision", self.precision, PRECISIONS)
-        _choice("optimizer", self.optimizer, OPTIMIZERS)
-        _choice("offload", self.offload, OFFLOADS)
+        """The checked config this one runs as, for ``world_size`` engines (None: any).
+
+        Pure: ``self`` is never changed. The result is a copy when a ds_config's
+        ``train_batch_size`` decides the micro-batch or accumulation on this many
+        engines, else ``self``. Raises `ConfigError` naming the first bad field."""
+        for name, allowed in (
+            ("strategy", STRATEGIES),
+            ("backend", BACKENDS),
+            ("schedule", SCHEDULES),
+            ("precision", PRECISIONS),
+            ("optimizer", OPTIMIZERS),
+            ("offload", OFFLOADS),
+        ):
+            choice(name, getattr(self, name), allowed)
         from nbpar.model.registry import check_model_fields
 
-        check_model_fields(self, DATASETS)
-        for name in ("micro_batch", "grad_accum", "steps"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        with about("model"):
+            check_model_fields(self, DATASETS)
+        for name in ("micro_batch", "grad_accum", "steps", "checkpoint_keep"):
+            positive_int(name, getattr(self, name))
+        positive_int("checkpoint_every", self.checkpoint_every, minimum=0)
         _positive("lr", self.lr)
-        if (
-            isinstance(self.checkpoint_every, bool)
-            or not isinstance(self.checkpoint_every, int)
-            or self.checkpoint_every < 0
-        ):
-            raise ValueError(
-                f"checkpoint_every must be an integer >= 0, got {self.checkpoint_every!r}"
-            )
         if self.checkpoint_every and not self.checkpoint_dir:
-            raise ValueError("checkpoint_every > 0 needs checkpoint_dir")
-        if (
-            isinstance(self.checkpoint_keep, bool)
-            or not isinstance(self.checkpoint_keep, int)
-            or self.checkpoint_keep < 1
-        ):
-            raise ValueError(
-                f"checkpoint_keep must be a positive integer, got {self.checkpoint_keep!r}"
+            raise ConfigError(
+                "checkpoint_every > 0 needs checkpoint_dir", fields=("checkpoint_dir",)
             )
         self.gpt.validate()
         if self.model in ("tiny_gpt", "hf:gpt2", "hf:llama") and self.gpt.vocab_size < 256:
-            raise ValueError(
+            raise ConfigError(
                 f"gpt.vocab_size={self.gpt.vocab_size} is too small for byte-level "
-                f"text; it must be >= 256"
+                f"text; it must be >= 256",
+                fields=("gpt.vocab_size",),
             )
         self._validate_optimizer()
         check_combination(self)
         check_model_degrees(self, world_size)
+        checked = self
         if self.deepspeed_config is not None:
-            self._validate_ds_config()
-            if world_size is not None:
-                from nbpar.parallel.ds_config import ds_config_for, fit_train_batch_size
-
-                dp = self.dims(world_size).dp
-                sizes = {"micro_batch": self.micro_batch, "grad_accum": self.grad_accum}
-                for name, value in fit_train_batch_size(
-                    self.deepspeed_config, dp, sizes, self._explicit
-                ).items():
-                    setattr(self, name, value)
-                # a ds_config that disagrees with this config (micro batch, stage,
-                # precision, ...) is refused here, before any engine starts
-                ds_config_for(self, dp)
+            checked = self._validate_ds_config(world_size)
         if self.precision != "fp32":  # what this host's CPU or GPU can compute
             from nbpar import device
 
-            device.check_precision(self.precision)
+            with about("precision"):
+                device.check_precision(self.precision)
         if self.resume_from is not None:  # missing/corrupt/other model: before engines work
             from nbpar.checkpoint_meta import check_resume
 
-            check_resume(self, world_size)
-        return self
+            with about("resume_from"):
+                check_resume(checked, world_size)
+        return checked
 
     def _validate_optimizer(self) -> None:
         from nbpar.parallel.ds_config import OPTIMIZER_PARAMS
 
         params = self.optimizer_params or {}
         if not isinstance(params, dict):
-            raise ValueError(f"optimizer_params must be a dict, got {params!r}")
+            raise ConfigError(
+                f"optimizer_params must be a dict, got {params!r}", fields=("optimizer_params",)
+            )
         bad = sorted(set(params) - set(OPTIMIZER_PARAMS[self.optimizer]))
         if bad:
-            raise ValueError(
+            raise ConfigError(
                 f"optimizer_params {', '.join(bad)} do not apply to optimizer "
                 f"{self.optimizer!r}; it takes "
-                f"{', '.join(OPTIMIZER_PARAMS[self.optimizer])}"
+                f"{', '.join(OPTIMIZER_PARAMS[self.optimizer])}",
+                fields=("optimizer_params", "optimizer"),
             )
         if (
             isinstance(self.grad_clip, bool)
             or not isinstance(self.grad_clip, (int, float))
             or self.grad_clip < 0
         ):
-            raise ValueError(f"grad_clip must be a number >= 0, got {self.grad_clip!r}")
+            raise ConfigError(
+                f"grad_clip must be a number >= 0, got {self.grad_clip!r}", fields=("grad_clip",)
+            )
         if self.lr_schedule is not None:
             from nbpar.model.lr_schedule import resolve
 
-            resolve(self.lr_schedule, self.lr, self.steps)
+            with about("lr_schedule"):
+                resolve(self.lr_schedule, self.lr, self.steps)
 
-    def _validate_ds_config(self) -> None:
+    def _validate_ds_config(self, world_size: int | None) -> TrainConfig:
+        """Check ``deepspeed_config`` against this config; on ``world_size`` engines, the
+        copy with the micro-batch and accumulation its ``train_batch_size`` decides."""
         if not isinstance(self.deepspeed_config, dict):
-            raise ValueError(
+            raise ConfigError(
                 f"deepspeed_config must be a dict or a JSON file path, "
-                f"got {self.deepspeed_config!r}"
+                f"got {self.deepspeed_config!r}",
+                fields=("deepspeed_config",),
             )
-        if self.strategy in PIPELINED:
-            from nbpar.parallel.ds_config import check_pipeline_stage
+        from nbpar.parallel.ds_config import (
+            check_pipeline_stage,
+            ds_config_for,
+            fit_train_batch_size,
+        )
 
-            check_pipeline_stage(self.deepspeed_config)
+        with about("deepspeed_config"):
+            if self.strategy in PIPELINED:
+                check_pipeline_stage(self.deepspeed_config)
+            if world_size is None:
+                return self
+            dp = self.dims(world_size).dp
+            sizes = {"micro_batch": self.micro_batch, "grad_accum": self.grad_accum}
+            fitted = fit_train_batch_size(self.deepspeed_config, dp, sizes, self._explicit)
+            checked = copy.copy(self) if fitted else self
+            for name, value in fitted.items():
+                setattr(checked, name, value)
+            # a ds_config that disagrees with this config (micro batch, stage,
+            # precision, ...) is refused here, before any engine starts
+            ds_config_for(checked, dp)
+        return checked
 
     def _adopt_deepspeed_config(self) -> None:
         """Read ``deepspeed_config`` (a path becomes the dict it holds) and take from it
@@ -304,18 +318,21 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
-        """Inverse of `to_dict`; unknown keys raise ValueError."""
+        """Inverse of `to_dict`; unknown keys raise ConfigError naming them."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"unknown TrainConfig field(s) {', '.join(unknown)}")
+            raise ConfigError(f"unknown TrainConfig field(s) {', '.join(unknown)}", fields=unknown)
         d = dict(d)
         gpt = d.pop("gpt", None)
         if isinstance(gpt, dict):
             gknown = {f.name for f in fields(GPTConfig)}
             bad = sorted(set(gpt) - gknown)
             if bad:
-                raise ValueError(f"unknown GPTConfig field(s) {', '.join(bad)}")
+                raise ConfigError(
+                    f"unknown GPTConfig field(s) {', '.join(bad)}",
+                    fields=tuple(f"gpt.{b}" for b in bad),
+                )
             gpt = GPTConfig(**gpt)
         return cls(**d, **({"gpt": gpt} if gpt is not None else {}))
 

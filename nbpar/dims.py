@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nbpar.checks import positive_int
+from nbpar.errors import ConfigError
+
 MESH_DIMS = ("pp", "dp", "tp")
 
 
@@ -28,14 +31,13 @@ class ParallelDims:
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "world_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            positive_int(name, getattr(self, name))
         if self.dp * self.tp * self.pp != self.world_size:
-            raise ValueError(
+            raise ConfigError(
                 f"dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = "
                 f"{self.dp * self.tp * self.pp} must equal the number of engines "
-                f"({self.world_size})"
+                f"({self.world_size})",
+                fields=("dp", "tp", "pp"),
             )
 
     @property

@@ -49,3 +49,18 @@ class RankError(RuntimeError):
         for chunk in tb or [f"{ename}: {evalue}"]:
             lines.extend(f"[rank {rank}] {line}" for line in chunk.splitlines())
         return lines
+
+
+class ConfigError(ValueError):
+    """A setting that cannot run, found before anything starts: ``fields`` names the
+    settings the reason is about (TrainConfig fields such as ``"micro_batch"`` or
+    ``"gpt.n_heads"``; the first is the one to change), the message says why."""
+
+    def __init__(self, message: str, fields=()):
+        super().__init__(message)
+        self.fields = tuple(fields)
+
+    @property
+    def field(self) -> str | None:
+        """The setting to change first, or None when the reason names none."""
+        return self.fields[0] if self.fields else None

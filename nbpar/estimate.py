@@ -13,8 +13,9 @@ from __future__ import annotations
 import html
 import math
 from dataclasses import dataclass
-from numbers import Integral, Real
+from numbers import Real
 
+from nbpar.checks import positive_int
 from nbpar.strategies import (
     BACKENDS,
     DATA_PARALLEL,
@@ -45,12 +46,6 @@ def format_bytes_or_dash(n: float | None) -> str:
 
 
 _MEASURED = {"params": "param_bytes", "grads": "grad_bytes", "optim": "optim_bytes"}
-
-
-def _int(name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, Integral) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
-    return int(value)
 
 
 def _choice(name: str, value, allowed) -> str:
@@ -104,8 +99,8 @@ def _activations(spec, tp: int, pp: int, element_bytes: int) -> float:
             f"activations needs keys {ACTIVATION_KEYS} (optional sequence_parallel, "
             f"in_flight, recompute); missing {missing}, unknown {sorted(extra)}."
         )
-    v = {k: _int(f"activations[{k!r}]", spec[k]) for k in ACTIVATION_KEYS}
-    in_flight = _int("activations['in_flight']", spec.get("in_flight", 1))
+    v = {k: positive_int(f"activations[{k!r}]", spec[k]) for k in ACTIVATION_KEYS}
+    in_flight = positive_int("activations['in_flight']", spec.get("in_flight", 1))
     if v["layers"] < pp:
         raise ValueError(f"activations['layers']={v['layers']} must be >= pp={pp}.")
     sp = bool(spec.get("sequence_parallel", True))

@@ -9,9 +9,10 @@ trust what passed. Pure Python: nothing heavy is imported here.
 from __future__ import annotations
 
 import math
-from numbers import Integral
 
+from nbpar.checks import choice, positive_int
 from nbpar.dims import ParallelDims
+from nbpar.errors import ConfigError
 
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "pipeline", "tp", "hybrid")
 BACKENDS = ("torch", "deepspeed")
@@ -36,25 +37,44 @@ OWN_DEGREE = {
     "tp": "tp",
 }
 HEAD_WORDS = {"heads": "attention heads", "kv_heads": "key/value heads"}
+#: strategies the torch backend runs with FSDP2 (`fully_shard`) when asked to
+FSDP_STRATEGIES = ("zero2", "zero3", "hybrid")
+
+
+def engines_for(strategy: str, pool_size: int) -> int:
+    """How many of a pool's engines a run of ``strategy`` uses: 'single' is the
+    one-process reference and runs on one, every other strategy on all of them."""
+    return 1 if strategy == "single" else pool_size
+
+
+def reshard_after_forward(strategy: str, fsdp_reshard: bool | None) -> bool | None:
+    """FSDP2's ``reshard_after_forward`` for ``strategy``: an explicit ``fsdp_reshard``
+    wins; ZeRO-3 frees the gathered parameters after forward (True), ZeRO-1/2 keep them
+    (False: FSDP2 without resharding, as torch ZeRO over tensor-parallel shards runs);
+    None = the strategy uses no FSDP2 (replicas that all-reduce their gradients)."""
+    if fsdp_reshard is not None:
+        return fsdp_reshard
+    if strategy in ZERO_STAGE and strategy != "ddp":
+        return strategy == "zero3"
+    return None
 
 
 def check_degrees(strategy: str, dp=None, tp=None, pp=None) -> dict[str, int | None]:
     """The degrees as given ({"dp", "tp", "pp"}: a positive integer or None), checked
     against what holds on any number of engines."""
-    given = {"dp": dp, "tp": tp, "pp": pp}
-    for k, v in given.items():
-        if v is not None and (isinstance(v, bool) or not isinstance(v, Integral) or v < 1):
-            raise ValueError(f"{k} must be a positive integer or None, got {v!r}")
-        given[k] = None if v is None else int(v)
+    given = {k: positive_int(k, v, optional=True) for k, v in (("dp", dp), ("tp", tp), ("pp", pp))}
     if strategy == "hybrid" and dp is None and tp is None and pp is None:
-        raise ValueError(
+        raise ConfigError(
             "strategy 'hybrid' needs explicit degrees: set at least two of dp, "
-            "tp and pp so that dp x tp x pp equals the number of engines"
+            "tp and pp so that dp x tp x pp equals the number of engines",
+            fields=DEGREES,
         )
     if strategy == "single":
         for k, v in given.items():
             if v not in (None, 1):
-                raise ValueError(f"strategy 'single' requires dp=tp=pp=1, got {k}={v}")
+                raise ConfigError(
+                    f"strategy 'single' requires dp=tp=pp=1, got {k}={v}", fields=(k, "strategy")
+                )
     return given
 
 
@@ -84,13 +104,15 @@ def _check_splits(strategy: str, backend: str, given: dict) -> None:
         if v in (None, 1) or k in allowed:
             continue
         if strategy == "hybrid":
-            raise ValueError(
+            raise ConfigError(
                 f"the DeepSpeed pipeline backend has no tensor parallelism ({k}={v}); "
-                f"use backend 'torch' with strategy 'hybrid'"
+                f"use backend 'torch' with strategy 'hybrid'",
+                fields=(k, "backend"),
             )
-        raise ValueError(
+        raise ConfigError(
             f"strategy {strategy!r} does not split along {k} ({k}={v}); "
-            f"use strategy 'hybrid' to combine dimensions"
+            f"use strategy 'hybrid' to combine dimensions",
+            fields=(k, "strategy"),
         )
 
 
@@ -105,15 +127,14 @@ def resolve_degrees(
     ``world_size``. ``backend`` None resolves any layout (the estimator's, as in the
     papers); with a backend, only the splits nbpar runs on it (`splits`) pass.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, Integral) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    world_size = int(world_size)
+    world_size = positive_int("world_size", world_size)
     given = check_degrees(strategy, **{"dp": dp, "tp": tp, "pp": pp})
     if backend is not None:
         _check_splits(strategy, backend, given)
-    if strategy == "single" and world_size != 1:
-        raise ValueError(
-            f"strategy 'single' runs on exactly one engine, got world size {world_size}"
+    if engines_for(strategy, world_size) != world_size:
+        raise ConfigError(
+            f"strategy 'single' runs on exactly one engine, got world size {world_size}",
+            fields=("strategy",),
         )
     own = OWN_DEGREE.get(strategy)
     if own is not None and given[own] is None:
@@ -121,9 +142,10 @@ def resolve_degrees(
         product = math.prod(others.values())
         if world_size % product:
             named = " x ".join(f"{k}={v}" for k, v in others.items())
-            raise ValueError(
+            raise ConfigError(
                 f"{named} must be a positive divisor of the number of engines "
-                f"({world_size}); {world_size} is not divisible by {product}"
+                f"({world_size}); {world_size} is not divisible by {product}",
+                fields=tuple(others),
             )
         given[own] = world_size // product
     return ParallelDims(**{k: v or 1 for k, v in given.items()}, world_size=world_size)
@@ -137,21 +159,20 @@ def check_pipeline_schedule(
     1F1B and interleaved keep at most pp micro-batches in flight, so they need at
     least pp of them (DeepSpeed's engine runs any number); every stage needs a layer.
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(
-            f"schedule={schedule!r} is not supported; choose one of {', '.join(SCHEDULES)}"
-        )
+    choice("schedule", schedule, SCHEDULES)
     if backend == "torch" and schedule != "gpipe" and micro_batches < pp:
-        raise ValueError(
+        raise ConfigError(
             f"schedule {schedule!r} needs at least as many micro-batches "
             f"(grad_accum={micro_batches}) as pipeline stages (pp={pp}); "
-            f"raise grad_accum or use schedule='gpipe'"
+            f"raise grad_accum or use schedule='gpipe'",
+            fields=("grad_accum", "schedule", "pp"),
         )
     virtual = INTERLEAVED_CHUNKS if schedule == "interleaved" else 1
     if pp * virtual > n_layers:
-        raise ValueError(
+        raise ConfigError(
             f"schedule {schedule!r} with pp={pp} needs {pp * virtual} "
-            f"layers, gpt.n_layers={n_layers}"
+            f"layers, gpt.n_layers={n_layers}",
+            fields=("schedule", "pp", "gpt.n_layers"),
         )
     return virtual
 
@@ -161,51 +182,60 @@ def check_combination(cfg) -> None:
     precision do not go together (what nbpar's runners can run)."""
     s, b = cfg.strategy, cfg.backend
     if s not in PIPELINED and cfg.schedule != DEFAULT_SCHEDULE:
-        raise ValueError(
-            f"schedule={cfg.schedule!r} applies only to strategies pipeline and hybrid, not {s!r}"
+        raise ConfigError(
+            f"schedule={cfg.schedule!r} applies only to strategies pipeline and hybrid, not {s!r}",
+            fields=("schedule", "strategy"),
         )
     if s in GPT_ONLY and cfg.model == "simple_cnn":
         # hf:* and models declaring a parallel plan are split too (checked when built)
-        raise ValueError(
+        raise ConfigError(
             f"strategy {s!r} needs model 'tiny_gpt' (it splits transformer "
-            f"layers), got {cfg.model!r}"
+            f"layers), got {cfg.model!r}",
+            fields=("model", "strategy"),
         )
     if b == "deepspeed" and s not in DEEPSPEED_STRATEGIES:
-        raise ValueError(
-            f"backend 'deepspeed' supports strategies {', '.join(DEEPSPEED_STRATEGIES)}, not {s!r}"
+        raise ConfigError(
+            f"backend 'deepspeed' supports strategies {', '.join(DEEPSPEED_STRATEGIES)}, not {s!r}",
+            fields=("backend", "strategy"),
         )
     if s in PIPELINED and b == "deepspeed":
         _check_deepspeed_pipeline(cfg)
     if cfg.offload != "none":
         if b != "deepspeed":
-            raise ValueError(f"offload={cfg.offload!r} needs backend='deepspeed'")
+            raise ConfigError(
+                f"offload={cfg.offload!r} needs backend='deepspeed'", fields=("offload", "backend")
+            )
         check_offload(cfg.offload, s)
     if cfg.precision == "fp16" and b != "deepspeed":
-        raise ValueError(
+        raise ConfigError(
             "precision='fp16' needs backend='deepspeed' (its loss scaler); "
-            "use 'bf16' or 'fp32' with backend='torch'"
+            "use 'bf16' or 'fp32' with backend='torch'",
+            fields=("precision", "backend"),
         )
-    if cfg.fsdp_reshard is not None and not (b == "torch" and s in ("zero2", "zero3")):
-        raise ValueError(
-            f"fsdp_reshard applies only to strategies zero2/zero3 with backend "
-            f"'torch', not {s!r}/{b!r}"
+    if cfg.fsdp_reshard is not None and not (b == "torch" and s in FSDP_STRATEGIES):
+        raise ConfigError(
+            f"fsdp_reshard applies only to strategies {', '.join(FSDP_STRATEGIES)} with "
+            f"backend 'torch', not {s!r}/{b!r}",
+            fields=("fsdp_reshard", "strategy", "backend"),
         )
     if cfg.deepspeed_config is not None and b != "deepspeed":
-        raise ValueError("deepspeed_config needs backend='deepspeed'")
+        raise ConfigError(
+            "deepspeed_config needs backend='deepspeed'", fields=("deepspeed_config", "backend")
+        )
 
 
 def check_offload(offload: str, strategy: str) -> None:
     """ZeRO-Offload moves what ZeRO partitions: offload='optimizer' needs ZeRO stage 1, 2
     or 3, offload='params' stage 3."""
-    if offload not in OFFLOADS:
-        raise ValueError(f"offload must be one of {', '.join(OFFLOADS)}, got {offload!r}.")
+    choice("offload", offload, OFFLOADS)
     if offload == "none":
         return
     least = 3 if offload == "params" else 1
     need = [s for s, stage in ZERO_STAGE.items() if stage >= least]
     if strategy not in need:
-        raise ValueError(
-            f"offload={offload!r} needs strategy {' or '.join(need)}, got {strategy!r}"
+        raise ConfigError(
+            f"offload={offload!r} needs strategy {' or '.join(need)}, got {strategy!r}",
+            fields=("offload", "strategy"),
         )
 
 
@@ -213,11 +243,15 @@ def _check_deepspeed_pipeline(cfg) -> None:
     """What DeepSpeed's PipelineModule runs here: a model with a plan (checked when it is
     built), 1F1B, fp32 or bf16."""
     if cfg.schedule != "1f1b":
-        raise ValueError(
-            f"DeepSpeed's pipeline engine runs only the 1f1b schedule, got {cfg.schedule!r}"
+        raise ConfigError(
+            f"DeepSpeed's pipeline engine runs only the 1f1b schedule, got {cfg.schedule!r}",
+            fields=("schedule", "backend"),
         )
     if cfg.precision == "fp16":
-        raise ValueError("DeepSpeed pipeline runs here in precision fp32 or bf16, got 'fp16'")
+        raise ConfigError(
+            "DeepSpeed pipeline runs here in precision fp32 or bf16, got 'fp16'",
+            fields=("precision", "backend"),
+        )
 
 
 def check_model_degrees(cfg, world_size: int | None) -> None:
@@ -234,8 +268,9 @@ def check_model_degrees(cfg, world_size: int | None) -> None:
     layers, where = known_shape(cfg)
     gpt = cfg.gpt
     if cfg.model == "tiny_gpt" and tp > 1 and (gpt.n_heads % tp or gpt.d_model % tp):
-        raise ValueError(
-            f"tp={tp} must divide gpt.n_heads={gpt.n_heads} and gpt.d_model={gpt.d_model}"
+        raise ConfigError(
+            f"tp={tp} must divide gpt.n_heads={gpt.n_heads} and gpt.d_model={gpt.d_model}",
+            fields=("tp", "gpt.n_heads", "gpt.d_model"),
         )
     if tp > 1 and where:  # a transformers family: heads from its config
         from nbpar.model.hf import shape
@@ -243,10 +278,15 @@ def check_model_degrees(cfg, world_size: int | None) -> None:
         for k in ("heads", "kv_heads"):
             n = shape(cfg.model, cfg.model_config)[k]
             if n % tp:
-                raise ValueError(f"tp={tp} must divide the {HEAD_WORDS[k]} of {cfg.model} ({n})")
+                raise ConfigError(
+                    f"tp={tp} must divide the {HEAD_WORDS[k]} of {cfg.model} ({n})",
+                    fields=("tp", "model_config"),
+                )
     if layers is not None and pp > layers:
-        raise ValueError(
-            f"pp={pp} pipeline stages need at least {pp} layers, {where or 'gpt.n_layers'}={layers}"
+        where = where or "gpt.n_layers"
+        raise ConfigError(
+            f"pp={pp} pipeline stages need at least {pp} layers, {where}={layers}",
+            fields=("pp", "gpt.n_layers" if where == "gpt.n_layers" else "model_config"),
         )
     if cfg.strategy in PIPELINED and pp > 1 and layers is not None:
         check_pipeline_schedule(cfg.schedule, pp, cfg.grad_accum, layers, cfg.backend)

@@ -190,7 +190,7 @@ def test_engine_side_never_imports_the_kernel_side():
 # layers below it, never one above, imports inside functions included. Within a layer,
 # `test_no_import_cycles_in_nbpar` keeps the modules acyclic.
 LAYERS = (
-    ("base", ("nbpar.device", "nbpar.errors", "nbpar.files")),
+    ("base", ("nbpar.device", "nbpar.errors", "nbpar.checks", "nbpar.files")),
     ("model", ("nbpar.model",)),
     ("measure", ("nbpar.measure",)),
     ("strategies", ("nbpar.dims", "nbpar.strategies")),

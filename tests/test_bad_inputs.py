@@ -12,8 +12,8 @@ from nbpar.config import GPTConfig, TrainConfig
 from tests.distributed import children
 
 POOL_CASES = [
-    (dict(n=0), ValueError, "at least 1"),
-    (dict(n=-1), ValueError, "at least 1"),
+    (dict(n=0), ValueError, "Pool size must be a positive integer, got 0"),
+    (dict(n=-1), ValueError, "Pool size must be a positive integer, got -1"),
     (dict(n=True), ValueError, "positive integer"),
     (dict(n=1.5), ValueError, "positive integer"),
     (dict(n="2"), ValueError, "positive integer"),

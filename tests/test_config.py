@@ -195,3 +195,48 @@ def test_config_and_estimator_resolve_degrees_alike():
     assert estimate_memory(175e9, 1024, "zero1", tp=8, pp=16).dp == 8
     with pytest.raises(ValueError, match="does not split along pp"):
         TrainConfig(strategy="zero1", tp=8, pp=16).dims(1024)
+
+
+def test_validate_is_pure_and_returns_the_checked_config():
+    """A ds_config's train_batch_size decides the accumulation on 2 engines: validate
+    returns a copy that says so and leaves the config it was asked about as it was."""
+    ds = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}
+    cfg = TrainConfig(strategy="zero1", backend="deepspeed", deepspeed_config=ds)
+    before = cfg.to_dict()
+    checked = cfg.validate(2)
+    assert cfg.to_dict() == before
+    assert (checked.micro_batch, checked.grad_accum) == (4, 4)
+    assert checked is not cfg
+    plain = TrainConfig(strategy="ddp")
+    assert plain.validate(2) is plain  # nothing decided: no copy
+
+
+@pytest.mark.parametrize(
+    "kwargs, world, fields",
+    [
+        (dict(micro_batch=0), 2, ("micro_batch",)),
+        (dict(strategy="zero9"), 2, ("strategy",)),
+        (dict(precision="fp16"), 2, ("precision", "backend")),
+        (dict(strategy="tp", gpt=GPTConfig(n_heads=3, d_model=24)), 2, ("tp", "gpt.n_heads")),
+        (dict(strategy="hybrid"), 4, ("dp", "tp", "pp")),
+        (dict(strategy="ddp", tp=2), 4, ("tp", "strategy")),
+        (dict(strategy="ddp", lr_schedule={"type": "Nope"}), 2, ("lr_schedule",)),
+        (dict(strategy="hybrid", dp=3, pp=1), 4, ("dp", "tp", "pp")),
+    ],
+)
+def test_a_refused_config_names_its_fields(kwargs, world, fields):
+    from nbpar.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        TrainConfig(**kwargs).validate(world)
+    assert err.value.fields[: len(fields)] == fields
+    assert err.value.field == fields[0]
+
+
+def test_hybrid_takes_fsdp_resharding_as_notebook_10_advises():
+    cfg = TrainConfig(strategy="hybrid", dp=2, pp=2, grad_accum=2, fsdp_reshard=True)
+    assert cfg.validate(4).fsdp_reshard_after_forward() is True
+    assert (
+        TrainConfig(strategy="hybrid", dp=2, pp=2, grad_accum=2).fsdp_reshard_after_forward()
+        is None
+    )

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import math
 
+from nbpar.checks import positive_int
+
 # type -> {param: default}; None = required (or filled by "auto")
 SCHEDULES = {
     "WarmupLR": {
@@ -95,8 +97,7 @@ def resolve(section: dict, lr: float, steps: int) -> dict:
         ):
             raise ValueError(f"scheduler {kind} needs params.{key}")
     n = params.get("warmup_num_steps", 1)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"scheduler.params.warmup_num_steps must be a positive integer, got {n!r}")
+    positive_int("scheduler.params.warmup_num_steps", n)
     if params.get("warmup_type", "log") not in ("log", "linear"):
         raise ValueError(
             f"scheduler.params.warmup_type must be 'log' or 'linear', got {params['warmup_type']!r}"

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
+from nbpar.checks import positive_int
+
 
 def _check_samples(images: np.ndarray, labels) -> tuple[np.ndarray, np.ndarray]:
     images, labels = np.asarray(images), np.asarray(labels, dtype=np.int64)
@@ -81,8 +83,7 @@ def write_hdf5(images, labels, path: str, chunk: int = 64) -> str:
     import h5py
 
     images, labels = _check_samples(images, labels)
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
+    positive_int("chunk", chunk)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with h5py.File(path, "w") as f:
         f.create_dataset("images", data=images, chunks=(min(chunk, len(images)), *images.shape[1:]))
@@ -178,8 +179,7 @@ def time_input_pipeline(model, loader, steps: int, lr: float = 0.01) -> dict:
     ``wait_fraction`` = data_s / (data_s + compute_s): the share of the step the
     accelerator would sit idle. The loader is restarted when it runs out.
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    positive_int("steps", steps)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     it, data_s, compute_s = iter(loader), 0.0, 0.0
     for _ in range(steps):

@@ -12,6 +12,9 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
+from nbpar.checks import about
+from nbpar.errors import ConfigError
+
 BUILTIN = ("simple_cnn", "tiny_gpt")
 
 
@@ -180,15 +183,19 @@ def check_model_fields(cfg, builtin_datasets: dict) -> None:
     here beyond resolving names; `nbpar.probe` builds and runs a first batch)."""
     k = kind(cfg.model)
     if cfg.model_config is not None and not isinstance(cfg.model_config, dict):
-        raise ValueError(f"model_config must be a dict, got {cfg.model_config!r}")
+        raise ConfigError(
+            f"model_config must be a dict, got {cfg.model_config!r}", fields=("model_config",)
+        )
     if cfg.model_config and k == "builtin":
-        raise ValueError(
+        raise ConfigError(
             f"model_config applies to hf:* models and factories; size "
-            f"{cfg.model!r} with gpt=GPTConfig(...)"
+            f"{cfg.model!r} with gpt=GPTConfig(...)",
+            fields=("model_config", "model"),
         )
     if not isinstance(cfg.activation_checkpointing, bool):
-        raise ValueError(
-            f"activation_checkpointing must be True or False, got {cfg.activation_checkpointing!r}"
+        raise ConfigError(
+            f"activation_checkpointing must be True or False, got {cfg.activation_checkpointing!r}",
+            fields=("activation_checkpointing",),
         )
     if k == "hf":
         from nbpar.model.hf import family
@@ -199,24 +206,29 @@ def check_model_fields(cfg, builtin_datasets: dict) -> None:
     if k in ("builtin", "hf") and isinstance(ds, str) and not is_factory_string(ds):
         allowed = builtin_datasets.get(cfg.model, ("pysource",))
         if ds not in allowed:
-            raise ValueError(
+            raise ConfigError(
                 f"dataset={ds!r} does not fit model {cfg.model!r}; "
-                f"choose one of {', '.join(allowed)}"
+                f"choose one of {', '.join(allowed)}",
+                fields=("dataset", "model"),
             )
     elif ds is not None:
-        resolve_callable(ds, "dataset")
+        with about("dataset"):
+            resolve_callable(ds, "dataset")
     elif k in ("factory", "registered") and (reg is None or reg.dataset is None):
-        raise ValueError(
+        raise ConfigError(
             f"model={display_name(cfg.model)} needs dataset= (a function "
             f"returning a map-style Dataset of (input, target), or its "
-            f"'package.module:function')"
+            f"'package.module:function')",
+            fields=("dataset", "model"),
         )
     if cfg.loss is not None:
-        resolve_callable(cfg.loss, "loss")
+        with about("loss"):
+            resolve_callable(cfg.loss, "loss")
     elif k in ("factory", "registered") and (reg is None or reg.loss is None):
-        raise ValueError(
+        raise ConfigError(
             f"model={display_name(cfg.model)} needs loss= (a function "
-            f"loss(output, target) or its 'package.module:function')"
+            f"loss(output, target) or its 'package.module:function')",
+            fields=("loss", "model"),
         )
 
 

@@ -31,32 +31,37 @@ __all__ = [
     "optimizer_spec",
 ]
 
-# (strategy, backend) -> module under nbpar.parallel whose build_runner to call;
-# backend None = any backend.
+# (strategy, backend, over tensor-parallel shards) -> the module under nbpar.parallel whose
+# build_runner to call; backend None = any backend, tp None = any tp degree. torch ZeRO
+# with tp > 1 is FSDP2 on dp over DTensor shards (as torchtitan), which `tensor` builds.
 DISPATCH = {
-    ("ddp", "torch"): "ddp",
-    ("zero1", "torch"): "zero",
-    ("zero2", "torch"): "zero",
-    ("zero3", "torch"): "zero",
-    ("ddp", "deepspeed"): "deepspeed",
-    ("zero1", "deepspeed"): "deepspeed",
-    ("zero2", "deepspeed"): "deepspeed",
-    ("zero3", "deepspeed"): "deepspeed",
-    ("pipeline", "torch"): "pipeline",
-    ("pipeline", "deepspeed"): "ds_pipeline",
-    ("tp", None): "tensor",
-    ("hybrid", None): "hybrid",
+    ("ddp", "torch", None): "ddp",
+    ("zero1", "torch", False): "zero",
+    ("zero2", "torch", False): "zero",
+    ("zero3", "torch", False): "zero",
+    ("zero1", "torch", True): "tensor",
+    ("zero2", "torch", True): "tensor",
+    ("zero3", "torch", True): "tensor",
+    ("ddp", "deepspeed", None): "deepspeed",
+    ("zero1", "deepspeed", None): "deepspeed",
+    ("zero2", "deepspeed", None): "deepspeed",
+    ("zero3", "deepspeed", None): "deepspeed",
+    ("pipeline", "torch", None): "pipeline",
+    ("pipeline", "deepspeed", None): "ds_pipeline",
+    ("tp", None, None): "tensor",
+    ("hybrid", None, None): "hybrid",
 }
 
 
-def strategy_module(strategy: str, backend: str) -> str | None:
-    """Name of the module under nbpar.parallel that builds this strategy's runner."""
+def strategy_module(strategy: str, backend: str, tp: int = 1) -> str | None:
+    """Name of the module under nbpar.parallel that builds this strategy's runner on
+    ``tp``-way tensor-parallel shards; None for single (`build_single_runner`)."""
     if strategy == "single":
         return None
-    name = DISPATCH.get((strategy, backend)) or DISPATCH.get((strategy, None))
-    if name is None:
-        raise ValueError(f"no runner for strategy={strategy!r} with backend={backend!r}")
-    return name
+    for key in ((strategy, backend, tp > 1), (strategy, backend, None), (strategy, None, None)):
+        if key in DISPATCH:
+            return DISPATCH[key]
+    raise ValueError(f"no runner for strategy={strategy!r} with backend={backend!r}")
 
 
 def build_runner(model, cfg, mesh):
@@ -64,10 +69,9 @@ def build_runner(model, cfg, mesh):
 
     ``mesh`` is the 3-D ("pp", "dp", "tp") DeviceMesh (None allowed for single).
     """
-    name = strategy_module(cfg.strategy, cfg.backend)
+    tp = mesh["tp"].size() if mesh is not None else 1
+    name = strategy_module(cfg.strategy, cfg.backend, tp)
     if name is None:
         return build_single_runner(model, cfg, mesh)
-    if name == "zero" and mesh is not None and mesh["tp"].size() > 1:
-        name = "tensor"  # ZeRO/FSDP on dp over tensor-parallel shards
     module = importlib.import_module(f"{__name__}.{name}")
     return module.build_runner(model, cfg, mesh)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nbpar.measure.holdings import local_tensor
+from nbpar.strategies import reshard_after_forward
 
 from . import pipeline
 from .runner import StepRunner
@@ -72,7 +73,7 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> StepRunner:
         flat = copy.copy(cfg)
         flat.strategy = "tp"
         return tensor.build_runner(model, flat, mesh, loss_fn=loss_fn)
-    reshard = cfg.fsdp_reshard
+    reshard = reshard_after_forward(cfg.strategy, cfg.fsdp_reshard)
     dp_mesh = mesh["dp"]
 
     def prepare(chunk: nn.Module) -> nn.Module:

@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from nbpar.measure.holdings import local_tensor
 from nbpar.model.models import gpt_block_plan
 from nbpar.model.plan import check_tp_degree, require
+from nbpar.strategies import reshard_after_forward
 
 from .runner import StepRunner
 
@@ -136,9 +137,7 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> StepRunner:
     dp_mesh = mesh["dp"]
     dp_group, fsdp = None, False
     if dp_mesh.size() > 1:
-        reshard = cfg.fsdp_reshard
-        if reshard is None and cfg.strategy.startswith("zero"):
-            reshard = cfg.strategy == "zero3"
+        reshard = reshard_after_forward(cfg.strategy, cfg.fsdp_reshard)
         if reshard is None:
             dp_group = dp_mesh.get_group()
         else:

@@ -18,6 +18,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from nbpar.measure.holdings import optimizer_state_tensors, tensor_bytes
 from nbpar.parallel.ddp import DDPRunner
 from nbpar.parallel.runner import StepRunner
+from nbpar.strategies import reshard_after_forward
 
 
 def model_blocks(model: nn.Module) -> list[nn.Module]:
@@ -177,8 +178,10 @@ def build_runner(model, cfg, mesh, loss=None) -> StepRunner:
         return Zero1Runner(
             ddp, opt, loss, timer=timer, autocast_dtype=autocast_dtype(cfg), device_type=device_type
         )
-    reshard = cfg.strategy == "zero3"
-    if cfg.fsdp_reshard is not None:
-        reshard = cfg.fsdp_reshard
-    apply_fsdp(model, dp_mesh, reshard, param_dtype=autocast_dtype(cfg))
+    apply_fsdp(
+        model,
+        dp_mesh,
+        reshard_after_forward(cfg.strategy, cfg.fsdp_reshard),
+        param_dtype=autocast_dtype(cfg),
+    )
     return FSDPRunner(model, make_optimizer(model.parameters(), cfg), loss, device_type=device_type)

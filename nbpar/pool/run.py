@@ -222,17 +222,32 @@ class Run:
         )
 
 
-def start_run(pool, cfg=None, **overrides) -> Run:
-    """Validate ``cfg`` against the pool (before any engine works) and start it."""
-    from nbpar.config import TrainConfig
+def checked_config(cfg, world: int):
+    """The config as it runs on ``world`` ranks, checked once before any engine works:
+    `TrainConfig.validate`, then the model and its first batch built and run here
+    (`nbpar.probe.check_model`), so a bad factory or batch is one line, not a hang."""
     from nbpar.probe import check_model
+
+    checked = cfg.validate(world)
+    check_model(checked, world)
+    return checked
+
+
+def launch(pool, checked) -> Run:
+    """Start a run of a config `checked_config` passed for this pool."""
+    from nbpar.strategies import engines_for
+
+    return Run(pool, checked, list(range(engines_for(checked.strategy, pool.n))))
+
+
+def start_run(pool, cfg=None, **overrides) -> Run:
+    """Check ``cfg`` against the pool (before any engine works) and start it."""
+    from nbpar.config import TrainConfig
 
     if cfg is None:
         cfg = TrainConfig(**overrides)
     elif overrides:
         cfg = TrainConfig.from_dict({**cfg.to_dict(), **overrides})
-    world = 1 if cfg.strategy == "single" else pool.n
-    cfg.validate(world)
-    check_model(cfg, world)  # builds it here: a bad factory or batch fails before engines
-    ranks = [0] if cfg.strategy == "single" else list(range(pool.n))
-    return Run(pool, cfg, ranks)
+    from nbpar.strategies import engines_for
+
+    return launch(pool, checked_config(cfg, engines_for(cfg.strategy, pool.n)))

@@ -12,6 +12,7 @@ import os
 import socket
 import time
 
+from nbpar.checks import positive_int
 from nbpar.errors import PoolError
 
 #: Faster than ipyparallel's defaults: engines register within ~0.2 s of
@@ -22,11 +23,7 @@ CONTROLLER_ARGS = ["--HeartMonitor.period=200", "--HeartMonitor.max_heartmonitor
 
 def check_size(n) -> int:
     """``n`` as a number of engines, or ValueError."""
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise ValueError(f"Pool size must be a positive integer, got {n!r}")
-    if n < 1:
-        raise ValueError(f"Pool size must be at least 1, got {n}")
-    return n
+    return positive_int("Pool size", n)
 
 
 def check_port(port, ip: str) -> None:

@@ -15,7 +15,7 @@ from nbpar.strategies import STRATEGIES
 DEFAULT_STRATEGIES = tuple(s for s in STRATEGIES if s != "hybrid")
 
 
-def layouts(cfg, world_size: int, strategies=DEFAULT_STRATEGIES) -> list:
+def candidate_configs(cfg, world_size: int, strategies=DEFAULT_STRATEGIES) -> list:
     """A config per candidate strategy at its default degrees on ``world_size`` ranks."""
     out = []
     for strategy in strategies:
@@ -38,7 +38,7 @@ def what_fits(
 
     capacity_bytes(device_memory_gb)
     rows = []
-    for c in layouts(cfg, world_size, strategies):
+    for c in candidate_configs(cfg, world_size, strategies):
         row = {"strategy": c.strategy}
         try:
             sim = simulate(c, world_size, device_memory_gb=device_memory_gb)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import time
 
+from nbpar.checks import positive_int
 from nbpar.estimate import format_bytes
 
 PRECISIONS = {"fp32": "fp32", "bf16": "bf16", "mixed": "bf16"}  # mixed = bf16 autocast
@@ -20,8 +21,7 @@ def prepare(cfg, world_size: int):
     """A validated copy of ``cfg`` for simulation and its ParallelDims; one-line errors."""
     from nbpar.simulate.runners import check_simulable
 
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    positive_int("world_size", world_size)
     cfg = copy.deepcopy(cfg)
     if cfg.precision in PRECISIONS:
         cfg.precision = PRECISIONS[cfg.precision]

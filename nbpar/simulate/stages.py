@@ -20,6 +20,7 @@ from torch import nn
 from nbpar.parallel.hybrid import HybridRunner, _apply_fsdp
 from nbpar.parallel.pipeline import split_stages
 from nbpar.parallel.runner import StepRunner
+from nbpar.strategies import reshard_after_forward
 
 
 def schedule_order(schedule: str, stage: int, pp: int, m: int) -> list[tuple[str, int]]:
@@ -116,7 +117,7 @@ def build_stage_runner(model: nn.Module, cfg, mesh, rank: int) -> StageStep:
     (chunk,) = split_stages(model, stage, pp)
     if tp > 1:
         apply_tp(chunk, mesh["tp"])
-    reshard = cfg.fsdp_reshard if cfg.strategy == "hybrid" else None
+    reshard = reshard_after_forward(cfg.strategy, cfg.fsdp_reshard)
     if dp > 1 and reshard is not None:
         _apply_fsdp(chunk, mesh["dp"], reshard)
     dp_group = mesh["dp"].get_group() if dp > 1 and reshard is None else None

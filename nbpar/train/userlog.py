@@ -13,6 +13,8 @@ import os
 import sys
 from numbers import Real
 
+from nbpar.checks import positive_int
+
 PREFIX = "log/"
 #: Records logged outside an engine (nothing to publish to).
 RECORDS: list[dict] = []
@@ -56,8 +58,8 @@ def log(step: int | None = None, **metrics) -> dict:
         raise ValueError("nbpar.log: 'rank' is filled in automatically; use another name")
     if step is None:
         step = _next_step
-    elif isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"nbpar.log: step must be an integer >= 0, got {step!r}")
+    else:
+        positive_int("nbpar.log: step", step, minimum=0)
     _next_step = step + 1
     record = {"rank": _rank(), "step": step, **{k: _number(k, v) for k, v in metrics.items()}}
     if _on_engine():

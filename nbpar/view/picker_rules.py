@@ -2,9 +2,10 @@
 words of the picker's labels, and advice that is valid on the pool at hand.
 
 The rules themselves are `TrainConfig.validate` (nbpar.config, the one place for them);
-this module only asks them. `validate` names the first problem it meets, so `problems`
-asks again with that problem's field set to a neutral value (offload none, precision
-fp32, schedule gpipe, ...) until the choice passes, and so finds the next one.
+this module only asks them. `validate` raises a `ConfigError` for the first problem it
+meets, naming the fields it is about, so `problems` asks again with one of those fields
+set to a neutral value (offload none, precision fp32, schedule gpipe, ...) until the
+choice passes, and so finds the next one.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import itertools
 import re
 
 from nbpar import config as C
+from nbpar.errors import ConfigError
 from nbpar.strategies import DEGREES
 
 #: field -> the label of its control in the picker
@@ -60,7 +62,6 @@ NEUTRAL = {
     "grad_accum": 1,
     "steps": 20,
 }
-_FIELD_RE = re.compile(r"\b(" + "|".join(LABELS) + r")\b")
 _ASSIGN_RE = re.compile(
     r"\b("
     + "|".join(list(MODEL_WORDS) + list(LABELS)).replace(".", r"\.")
@@ -97,7 +98,7 @@ def parse_count(field: str, text: str) -> tuple[int | None, str | None]:
     return value, None
 
 
-def layouts(n: int):
+def degree_triples(n: int):
     """(dp, tp, pp) with dp × tp × pp = n, combined dimensions first, pipelines first."""
     found = [
         (dp, tp, n // (dp * tp))
@@ -115,10 +116,10 @@ def hybrid_layout(values: dict, world: int) -> dict | None:
         "strategy": "hybrid",
         "schedule": "gpipe",
     }
-    for dp, tp, pp in layouts(world):
+    for dp, tp, pp in degree_triples(world):
         try:
             C.TrainConfig.from_dict({**base, "dp": dp, "tp": tp, "pp": pp}).validate(world)
-        except ValueError:
+        except ConfigError:
             continue
         return {"dp": dp, "tp": tp, "pp": pp}
     return None
@@ -158,10 +159,8 @@ def problems(values: dict, world: int) -> list[str]:
         try:
             C.TrainConfig.from_dict(values).validate(world)
             break
-        except ValueError as err:
-            message = str(err)
-        named = set(_FIELD_RE.findall(message))
-        text = in_words(message)
+        except ConfigError as err:
+            named, text = set(err.fields), in_words(str(err))
         if values.get("strategy") == "hybrid" and set(DEGREES) <= named:
             text += _advice(values, world)
         if text not in found:

@@ -16,6 +16,8 @@ import time
 
 import numpy as np
 
+from nbpar.checks import positive_int
+
 #: (name, split, out rows, in cols) of one Block in units of (d, f) for plot_tp_split
 _TP_MATRICES = (
     ("wq", "col", "d", "d"),
@@ -44,8 +46,7 @@ def plot_tp_split(d_model: int, ffn_dim: int, tp: int, ax=None):
     row-parallel ones (wo, w2) along their input columns. Returns the Figure.
     """
     for name, v in (("d_model", d_model), ("ffn_dim", ffn_dim), ("tp", tp)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        positive_int(name, v)
     if tp > len(_RANK_COLORS) or d_model % tp or ffn_dim % tp:
         raise ValueError(
             f"tp={tp} must divide d_model={d_model} and ffn_dim={ffn_dim} "
@@ -146,8 +147,7 @@ class SlowDataset:
     """
 
     def __init__(self, n: int = 256, shape=(3, 32, 32), delay_s: float = 0.002):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"n must be a positive integer, got {n!r}")
+        positive_int("n", n)
         if delay_s < 0:
             raise ValueError(f"delay_s must be >= 0 seconds, got {delay_s!r}")
         self.n, self.shape, self.delay_s = n, tuple(shape), delay_s

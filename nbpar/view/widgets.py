@@ -16,7 +16,7 @@ import html
 import traitlets
 
 from nbpar import config as C
-from nbpar.strategies import settable_degrees
+from nbpar.strategies import engines_for, settable_degrees
 from nbpar.view import picker_rules as R
 from nbpar.view.picker_rules import model_options
 
@@ -139,7 +139,7 @@ class StrategyPicker:
     def world_size(self, strategy: str | None = None) -> int:
         """Ranks the run would use: 1 for strategy single, else the whole pool."""
         strategy = strategy or self.fields["strategy"].value
-        return 1 if strategy == "single" else self.pool.n
+        return engines_for(strategy, self.pool.n)
 
     def applies(self, name: str) -> bool:
         """Whether control ``name`` applies to the chosen strategy and backend."""
