@@ -3,7 +3,7 @@
     python benchmarks/chaos.py --kills 20
 
 One `Pool(2, restart="auto")` trains tiny_gpt with DDP, a checkpoint every few steps.
-`nbpar.bench.chaos.chaos_train` kills a random engine at a random step ahead (within
+`nbpar.bench.engine_kills.chaos_train` kills a random engine at a random step ahead (within
 two checkpoints of the last one), the pool restarts itself (spare engines kept warm),
 and the run resumes from its latest checkpoint, until the run has been killed
 ``--kills`` times and then finishes. The loss curve stitched from the runs (each step's
@@ -21,7 +21,7 @@ import tempfile
 from results import Recorder
 
 import nbpar
-from nbpar.bench.chaos import chaos_train
+from nbpar.bench.engine_kills import chaos_train
 from nbpar.config import TrainConfig
 
 

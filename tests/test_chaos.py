@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import nbpar
-from nbpar.bench.chaos import chaos_train
+from nbpar.bench.engine_kills import chaos_train
 from nbpar.config import TrainConfig
 
 pytestmark = pytest.mark.timeout(600)

@@ -31,7 +31,7 @@
 import nbpar
 import nbpar.model.data
 import nbpar.view.plots
-import nbpar.view.teaching
+import nbpar.model.loader_experiment
 import nbpar.estimate
 import nbpar.model.models
 from matplotlib.figure import Figure
@@ -173,9 +173,9 @@ assert held <= r["peak_bytes"] < held + r["activation_bytes"]  # all four alive 
 import os
 import tempfile
 
-slow = nbpar.view.teaching.SlowDataset(n=128, delay_s=0.01)
-path = nbpar.view.teaching.write_packed(slow, os.path.join(tempfile.mkdtemp(), "train.npy"))
-packed = nbpar.view.teaching.PackedDataset(path)
+slow = nbpar.model.loader_experiment.SlowDataset(n=128, delay_s=0.01)
+path = nbpar.model.loader_experiment.write_packed(slow, os.path.join(tempfile.mkdtemp(), "train.npy"))
+packed = nbpar.model.loader_experiment.PackedDataset(path)
 print(len(packed), "samples packed; same first sample:",
       bool((packed[0][0] == slow[0][0]).all()), packed[0][1] == slow[0][1])
 
@@ -186,7 +186,7 @@ settings = {"0 workers": (slow, {}),
             "2 persistent,\nprefetch 4": (slow, dict(num_workers=2, persistent_workers=True,
                                                      prefetch_factor=4)),
             "packed memmap,\n0 workers": (packed, {})}
-speed = {name: nbpar.view.teaching.loader_throughput(ds, batch_size=16, epochs=3, **kw)
+speed = {name: nbpar.model.loader_experiment.loader_throughput(ds, batch_size=16, epochs=3, **kw)
          for name, (ds, kw) in settings.items()}
 print("2 workers faster than none:", speed["2 workers"] > speed["0 workers"])
 print("packed file faster than decoding:", speed["packed memmap,\n0 workers"] > speed["0 workers"])
