@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 from numbers import Integral, Real
 
+from nbpar.measure.records import MEMORY_PARTS
 from nbpar.strategies import (
     BACKENDS,
     DATA_PARALLEL,
@@ -44,7 +45,7 @@ def format_bytes_or_dash(n: float | None) -> str:
     return "-" if n is None else format_bytes(n)
 
 
-_MEASURED = {"params": "param_bytes", "grads": "grad_bytes", "optim": "optim_bytes"}
+_MEASURED = dict(zip(("params", "grads", "optim"), MEMORY_PARTS))  # estimate key -> record key
 
 
 def _int(name: str, value, minimum: int = 1) -> int:

@@ -81,3 +81,18 @@ def test_what_holds_memory_is_the_first_figure_measured():
     assert records.memory_key(cpu) == "rss_bytes" and records.held_bytes(cpu) == 5
     assert records.held_bytes({"rss_bytes": 7}) == 7
     assert records.memory_key({}) == "rss_bytes" and records.held_bytes({}) is None
+
+
+def test_the_views_read_memory_by_the_same_rule():
+    """A GPU record whose allocator holds nothing: the device figure is read, not the RSS,
+    by the live view's panels and by the figures' "other" part alike."""
+    from nbpar.view.history import memory_parts
+    from nbpar.view.live import build_spec
+
+    gpu = {"param_bytes": 0, "grad_bytes": 0, "optim_bytes": 0}
+    gpu |= {"device_allocated_bytes": 0, "rss_bytes": 5 * 2**30}
+    assert build_spec([0], [gpu])["memory_key"] == "device_allocated_bytes"
+    assert memory_parts(gpu)["other"] == 0
+    cpu = {**gpu, "device_allocated_bytes": None, "param_bytes": 2**30}
+    assert build_spec([0], [cpu])["memory_key"] == "rss_bytes"
+    assert memory_parts(cpu) == {"params": 2**30, "grads": 0, "optimizer": 0, "other": 4 * 2**30}
