@@ -95,11 +95,13 @@ def allocator_check(history: list[dict]) -> dict:
     workspaces nbpar does not see, so its figures are expected a little higher; a ratio
     far from 1 is what to look into. On a CPU the device figures are None.
     """
+    from nbpar.measure.records import model_state_bytes
+
     metered = [r for r in history if r.get("tracked_peak_bytes") is not None]
     if not metered:
         return {"error": "no metered step in the history (run at least 3 steps)"}
     r = metered[0]
-    states = r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"]
+    states = model_state_bytes(r)
     peak, held = r.get("device_peak_bytes"), r.get("device_allocated_bytes")
     return {
         "step": r["step"],

@@ -295,6 +295,7 @@ def _human_estimate(out: dict) -> str:
 def _human_train(out: dict) -> str:
     """A table for people: per-rank memory, step time, communication, final loss."""
     from nbpar.estimate import format_bytes_or_dash as size
+    from nbpar.measure.records import MEMORY_PARTS
 
     cfg = out["config"]
     comm = f"communication in flight {out['comm_fraction']:.0%} of the step"
@@ -311,9 +312,9 @@ def _human_train(out: dict) -> str:
         f"{'peak':>10} {'process':>10} {'sent/step':>10}",
     ]
     for r in out["ranks"]:
+        parts = " ".join(f"{size(r[k]):>10}" for k in MEMORY_PARTS)
         lines.append(
-            f"{r['rank']:>4} {size(r['param_bytes']):>10} {size(r['grad_bytes']):>10} "
-            f"{size(r['optim_bytes']):>10} {size(r.get('activation_bytes')):>11} "
+            f"{r['rank']:>4} {parts} {size(r.get('activation_bytes')):>11} "
             f"{size(r['peak_bytes']):>10} {size(r.get('process_peak_bytes')):>10} "
             f"{size(r.get('comm_bytes')):>10}"
         )

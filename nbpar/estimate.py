@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from numbers import Real
 
 from nbpar.checks import positive_int
+from nbpar.measure.records import MEMORY_PARTS
 from nbpar.strategies import (
     BACKENDS,
     DATA_PARALLEL,
@@ -45,7 +46,7 @@ def format_bytes_or_dash(n: float | None) -> str:
     return "-" if n is None else format_bytes(n)
 
 
-_MEASURED = {"params": "param_bytes", "grads": "grad_bytes", "optim": "optim_bytes"}
+_MEASURED = dict(zip(("params", "grads", "optim"), MEMORY_PARTS))  # estimate key -> record key
 
 
 def _choice(name: str, value, allowed) -> str:

@@ -14,6 +14,7 @@ import time
 
 from nbpar import device
 from nbpar.measure.comm import union_s
+from nbpar.measure.records import model_state_bytes
 
 
 def memory_snapshot(pg_backend: str) -> dict[str, int]:
@@ -28,8 +29,7 @@ def step_peak_bytes(record: dict) -> int:
     states held after the step. Never the process's RSS, which is reported apart."""
     if record.get("device_peak_bytes") is not None:
         return record["device_peak_bytes"]
-    states = record["param_bytes"] + record["grad_bytes"] + record["optim_bytes"]
-    return max(states, record.get("tracked_peak_bytes") or 0)
+    return max(model_state_bytes(record), record.get("tracked_peak_bytes") or 0)
 
 
 class CommTimer:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from nbpar.measure.holdings import optimizer_state_tensors, tensor_bytes
+from nbpar.measure.records import ModelStates
 
 
 def clip_grad_norm(params, max_norm: float, pp_group=None) -> float:
@@ -118,7 +119,7 @@ class StepRunner:
     def parameters(self):
         return list(self.model.parameters())
 
-    def memory(self) -> dict[str, int]:
+    def memory(self) -> ModelStates:
         """Parameter, gradient and optimizer-state bytes this rank holds."""
         params = self.parameters()
         return {

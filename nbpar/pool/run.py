@@ -15,6 +15,7 @@ import statistics
 import time
 import uuid
 
+from nbpar.measure.records import result_rank
 from nbpar.pool.execute import OUTPUT_WAIT_S, wait_all
 
 
@@ -126,54 +127,20 @@ class Run:
         if self._results is None:
             self._results = {r: ar.get() for r, ar in self._ars.items()}
         res = self._results
-        last = res[self.ranks[-1]]
-        ranks = [
-            {
-                "rank": r,
-                **{
-                    k: res[r][k] for k in ("param_bytes", "grad_bytes", "optim_bytes", "peak_bytes")
-                },
-                **{
-                    k: res[r].get(k)
-                    for k in (
-                        "comm_bytes",
-                        "comm_bytes_by_op",
-                        "comm_s",
-                        "exposed_comm_s",
-                        "comm_wait_s",
-                        "activation_bytes",
-                        "process_peak_bytes",
-                    )
-                },
-            }
-            for r in self.ranks
-        ]
-        comm = [res[r]["comm_fraction"] for r in self.ranks if res[r]["comm_fraction"] is not None]
-        exposed = [
-            res[r]["exposed_comm_fraction"]
-            for r in self.ranks
-            if res[r].get("exposed_comm_fraction") is not None
-        ]
-        waits = [
-            res[r]["comm_wait_fraction"]
-            for r in self.ranks
-            if res[r].get("comm_wait_fraction") is not None
-        ]
-        bubbles = [
-            res[r]["bubble_fraction"]
-            for r in self.ranks
-            if res[r].get("bubble_fraction") is not None
-        ]
-        forced = [
-            res[r]["schedule_bubble_fraction"]
-            for r in self.ranks
-            if res[r].get("schedule_bubble_fraction") is not None
-        ]
+
+        def measured(key: str) -> list:
+            """The ranks' figures of ``key`` where they were measured (not None)."""
+            return [res[r][key] for r in self.ranks if res[r].get(key) is not None]
+
+        comm = measured("comm_fraction")
+        exposed = measured("exposed_comm_fraction")
+        waits = measured("comm_wait_fraction")
+        bubbles, forced = measured("bubble_fraction"), measured("schedule_bubble_fraction")
         return RunResult(
             {
                 "config": self.cfg.to_dict(),
-                "losses": last["losses"],
-                "ranks": ranks,
+                "losses": res[self.ranks[-1]]["losses"],
+                "ranks": [result_rank(res[r]) for r in self.ranks],
                 "step_time_s": max(res[r]["step_time_s"] for r in self.ranks),
                 "comm_fraction": statistics.mean(comm) if comm else 0.0,
                 "exposed_comm_fraction": statistics.mean(exposed) if exposed else None,

@@ -107,6 +107,7 @@ def human(out: dict) -> str:
     """What ``nbpar simulate`` prints without ``--json``: a table per simulated role, or
     with ``--what-fits`` one row per layout."""
     from nbpar.estimate import format_bytes_or_dash as size
+    from nbpar.measure.records import MEMORY_PARTS
     from nbpar.simulate.roles import describe
 
     if "layouts" in out:
@@ -141,9 +142,9 @@ def human(out: dict) -> str:
         f"{'peak':>10} {'sent/step':>10}",
     ]
     for r in out["ranks"]:
+        parts = " ".join(f"{size(r[k]):>10}" for k in MEMORY_PARTS)
         lines.append(
-            f"{describe(r['stands_for']):>12} {size(r['param_bytes']):>10} "
-            f"{size(r['grad_bytes']):>10} {size(r['optim_bytes']):>10} "
+            f"{describe(r['stands_for']):>12} {parts} "
             f"{size(r.get('activation_bytes')):>11} {size(r['peak_bytes']):>10} "
             f"{size(r.get('comm_bytes')):>10}"
         )

@@ -71,6 +71,7 @@ def simulate_rank(cfg, dims, rank: int) -> dict:
     micro-batches."""
     from nbpar.measure.comm import CommMeter
     from nbpar.measure.metrics import step_peak_bytes
+    from nbpar.measure.records import model_state_bytes
     from nbpar.model.models import build_model
     from nbpar.simulate.meter import SimMemory
     from nbpar.simulate.runners import make_runner
@@ -94,7 +95,7 @@ def simulate_rank(cfg, dims, rank: int) -> dict:
             raise ValueError(f"the memory meter could not follow this step: {mem.error}")
         out = {"rank": rank, **runner.memory(), **mem.figures()}
         out["peak_bytes"] = step_peak_bytes(out)
-        out.update(mem.breakdown(out["param_bytes"] + out["grad_bytes"] + out["optim_bytes"]))
+        out.update(mem.breakdown(model_state_bytes(out)))
         out.update(comm_bytes=comm.total(), comm_bytes_by_op=comm.by_op())
         runner.close()
         return out

@@ -13,6 +13,7 @@ import time
 
 from nbpar.checks import positive_int
 from nbpar.estimate import format_bytes
+from nbpar.measure.records import MEMORY_PARTS
 
 PRECISIONS = {"fp32": "fp32", "bf16": "bf16", "mixed": "bf16"}  # mixed = bf16 autocast
 
@@ -52,14 +53,7 @@ class Simulation(dict):
                 f"{describe(r['stands_for']):>12} "
                 + " ".join(
                     f"{format_bytes(r[k]):>9}"
-                    for k in (
-                        "param_bytes",
-                        "grad_bytes",
-                        "optim_bytes",
-                        "activation_bytes",
-                        "peak_bytes",
-                        "comm_bytes",
-                    )
+                    for k in (*MEMORY_PARTS, "activation_bytes", "peak_bytes", "comm_bytes")
                 )
             )
         if "fits" in self:

@@ -25,6 +25,7 @@ import os
 import shutil
 import time
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,9 @@ from nbpar.checkpoint_meta import (
 )
 from nbpar.files import atomic_path, atomic_write_text, fsync_dir
 from nbpar.model.registry import json_fields
+
+if TYPE_CHECKING:
+    from nbpar.train.context import RankContext
 
 # per-FQN optimizer keys (also param_groups): ranks holding different parameters
 # (pipeline stages, ZeRO-1 partitions) never collide, and any layout can read them
@@ -139,17 +143,17 @@ def _hooks(runner):
     return (lambda p, **kw: dcp_save(runner, p, **kw), lambda p, **kw: dcp_load(runner, p, **kw))
 
 
-def _save_state(runner, path, distributed):
-    _hooks(runner)[0](path, distributed=distributed)
+def _save_state(runner, path, ctx: RankContext):
+    _hooks(runner)[0](path, distributed=ctx.distributed)
 
 
-def _load_state(runner, path, distributed):
-    _hooks(runner)[1](path, distributed=distributed)
+def _load_state(runner, path, ctx: RankContext):
+    _hooks(runner)[1](path, distributed=ctx.distributed)
 
 
 # ---- save ---------------------------------------------------------------------
-def _barrier(distributed: bool) -> None:
-    if distributed:
+def _barrier(ctx: RankContext) -> None:
+    if ctx.distributed:
         dist.barrier()
 
 
@@ -157,9 +161,7 @@ def _rng_file(step_dir: str, rank: int) -> str:
     return os.path.join(step_dir, "rng", f"rank_{rank:05d}.pt")
 
 
-def save(
-    cfg, runner, step: int, position: dict, *, rank: int, world: int, dims, distributed: bool
-) -> str:
+def save(cfg, runner, step: int, position: dict, ctx: RankContext) -> str:
     """Write checkpoint ``step`` of this run on every rank; return its folder.
 
     ``position`` is the data position, ``{"epoch", "batches_in_epoch"}`` of this
@@ -169,35 +171,42 @@ def save(
     root = os.path.abspath(cfg.checkpoint_dir)
     final = os.path.join(root, step_name(step))
     tmp = os.path.join(root, f".tmp-{step_name(step)}")
-    if rank == 0:
+    if ctx.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(os.path.join(tmp, "rng"))
-    _barrier(distributed)
-    _save_state(runner, tmp, distributed)
-    torch.save(torch.get_rng_state(), _rng_file(tmp, rank))
-    _barrier(distributed)  # every shard and RNG file is on disk
-    if rank == 0:
-        meta = {
-            "version": FORMAT_VERSION,
-            "step": step,
-            "format": getattr(runner, "checkpoint_format", checkpoint_format(cfg)),
-            "world_size": world,
-            "dims": {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp},
-            # a factory callable is written as its "module:name" (importable unless __main__)
-            "config": {**json_fields(cfg.to_dict()), "resume_from": None},
-            "model": model_signature(cfg),
-            "global_batch": cfg.global_batch(world),
-            "data": {
-                "epoch": position["epoch"],
-                "samples_in_epoch": position["batches_in_epoch"] * cfg.micro_batch * dims.dp,
-            },
-            "time": time.time(),
-        }
+    _barrier(ctx)
+    _save_state(runner, tmp, ctx)
+    torch.save(torch.get_rng_state(), _rng_file(tmp, ctx.rank))
+    _barrier(ctx)  # every shard and RNG file is on disk
+    if ctx.rank == 0:
+        meta = _meta(cfg, runner, step, position, ctx)
         atomic_write_text(os.path.join(tmp, META), json.dumps(meta, indent=1, sort_keys=True))
         publish(root, tmp, final)
         prune(root, cfg.checkpoint_keep)
-    _barrier(distributed)
+    _barrier(ctx)
     return final
+
+
+def _meta(cfg, runner, step: int, position: dict, ctx: RankContext) -> dict:
+    """meta.json of checkpoint ``step``: what was trained, on which layout, and where the
+    data continues (the global sample count, so another dp degree resumes there too)."""
+    dims = ctx.dims
+    return {
+        "version": FORMAT_VERSION,
+        "step": step,
+        "format": getattr(runner, "checkpoint_format", checkpoint_format(cfg)),
+        "world_size": ctx.world,
+        "dims": {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp},
+        # a factory callable is written as its "module:name" (importable unless __main__)
+        "config": {**json_fields(cfg.to_dict()), "resume_from": None},
+        "model": model_signature(cfg),
+        "global_batch": cfg.global_batch(ctx.world),
+        "data": {
+            "epoch": position["epoch"],
+            "samples_in_epoch": position["batches_in_epoch"] * cfg.micro_batch * dims.dp,
+        },
+        "time": time.time(),
+    }
 
 
 def publish(root: str, tmp: str, final: str) -> None:
@@ -220,7 +229,7 @@ def prune(root: str, keep: int) -> None:
 
 
 # ---- resume -------------------------------------------------------------------
-def resume(cfg, runner, batches, *, rank: int, world: int, distributed: bool) -> int:
+def resume(cfg, runner, batches, ctx: RankContext) -> int:
     """Load ``cfg.resume_from`` into ``runner``, seek ``batches``; return the next step.
 
     The same checks as on the client run again here (a ``%%dist`` user has no
@@ -229,13 +238,13 @@ def resume(cfg, runner, batches, *, rank: int, world: int, distributed: bool) ->
     this rank's loader had consumed (derived from the global sample count, so a
     different dp degree with the same global batch continues at the same sample).
     """
-    meta = check_resume(cfg, world)
+    meta = check_resume(cfg, ctx.world)
     step_dir = meta["path"]
-    _load_state(runner, step_dir, distributed)
-    rng = _rng_file(step_dir, rank)
-    if meta["world_size"] == world and os.path.isfile(rng):
+    _load_state(runner, step_dir, ctx)
+    rng = _rng_file(step_dir, ctx.rank)
+    if meta["world_size"] == ctx.world and os.path.isfile(rng):
         torch.set_rng_state(torch.load(rng, weights_only=True))
-    per_round = cfg.micro_batch * cfg.dims(world).dp
+    per_round = cfg.micro_batch * ctx.dims.dp
     batches.seek(meta["data"]["epoch"], meta["data"]["samples_in_epoch"] // per_round)
     return int(meta["step"])
 

@@ -29,12 +29,13 @@ from nbpar.config import TrainConfig
 from nbpar.measure.comm import CommMeter, exchange_launches
 from nbpar.measure.memtrack import StepMemory
 from nbpar.measure.metrics import CommTimer, memory_snapshot, step_peak_bytes
+from nbpar.measure.records import MEMORY_PARTS, RankResult, StepRecord
 from nbpar.measure.step_split import step_shares
 from nbpar.model.data import build_loader
 from nbpar.model.models import build_model
 from nbpar.parallel import build_runner
-from nbpar.parallel.mesh import cached_mesh
 from nbpar.train import checkpoint
+from nbpar.train.context import RankContext
 
 
 class _Batches:
@@ -67,24 +68,26 @@ class _Batches:
             self.taken += 1
 
 
-def _global_loss(loss, mesh, dims, dev, timer: CommTimer) -> tuple[float, float]:
+def _global_loss(loss, ctx: RankContext, timer: CommTimer) -> tuple[float, float]:
     """(loss of the global batch: last pp stage's value averaged over dp ranks, this
     rank's own value before the dp average), read with one device sync."""
-    t = torch.as_tensor(loss).detach().to(device=dev, dtype=torch.float32).reshape(1).clone()
+    t = torch.as_tensor(loss).detach().to(device=ctx.device, dtype=torch.float32).reshape(1)
+    t = t.clone()
+    pp, dp = ctx.group("pp"), ctx.group("dp")
     with timer.span():
-        if dims.pp > 1:
-            dist.broadcast(t, group=mesh.get_group("pp"), group_src=dims.pp - 1)
+        if pp is not None:
+            dist.broadcast(t, group=pp, group_src=ctx.dims.pp - 1)
         local = t.clone()
-        if dims.dp > 1:
-            dist.all_reduce(t, group=mesh.get_group("dp"))
-            t /= dims.dp
+        if dp is not None:
+            dist.all_reduce(t, group=dp)
+            t /= ctx.dims.dp
         return tuple(torch.cat([t, local]).tolist())
 
 
-def _agree_to_stop(should_stop, dev, world: int) -> bool:
+def _agree_to_stop(should_stop, ctx: RankContext) -> bool:
     """All ranks stop together if any rank's ``should_stop()`` says so."""
-    flag = torch.tensor([1.0 if should_stop() else 0.0], device=dev)
-    if world > 1:
+    flag = torch.tensor([1.0 if should_stop() else 0.0], device=ctx.device)
+    if ctx.world > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
@@ -105,7 +108,7 @@ def is_metered(step: int, start: int, steps: int) -> bool:
 
 def run_training(
     cfg: TrainConfig | dict, *, publish=None, should_stop=None, on_finish=None
-) -> dict:
+) -> RankResult:
     """Train ``cfg`` on this rank and return its summary (see module docstring).
 
     ``publish(record)`` is called once per step; ``should_stop()`` is checked
@@ -115,52 +118,17 @@ def run_training(
     """
     if isinstance(cfg, dict):
         cfg = TrainConfig.from_dict(cfg)
-    # single is the one-process reference: on an engine of a larger pool it
-    # ignores the pool's process group (only rank 0 runs it)
-    on = dist.is_available() and dist.is_initialized() and cfg.strategy != "single"
-    world, rank = (dist.get_world_size(), dist.get_rank()) if on else (1, 0)
-    cfg.validate(world)
-    if not on and cfg.strategy != "single":
-        raise ValueError(
-            f"strategy {cfg.strategy!r} needs a torch.distributed process group "
-            f"(run it on a Pool's engines); only 'single' runs without one"
-        )
-    pg_backend = (
-        dist.get_backend()
-        if dist.is_available() and dist.is_initialized()
-        else device.default_backend()
-    )
-    dev = device.current_device(pg_backend)
-    dims = cfg.dims(world)
-    mesh = cached_mesh(dims, device.device_type(pg_backend)) if on else None
+    ctx, cfg = RankContext.build(cfg)
     runner = None
     try:
-        model = build_model(cfg).to(dev)
-        runner = build_runner(model, cfg, mesh)
-        runner.set_update_rule(cfg, mesh.get_group("pp") if dims.pp > 1 else None)
-        loader = build_loader(cfg, dims.coords(rank)["dp"], dims.dp, epoch=0)
-        batches = _Batches(loader, dev)
-        start = (
-            0
-            if cfg.resume_from is None
-            else checkpoint.resume(cfg, runner, batches, rank=rank, world=world, distributed=on)
-        )
+        model = build_model(cfg).to(ctx.device)
+        runner = build_runner(model, cfg, ctx.mesh)
+        runner.set_update_rule(cfg, ctx.group("pp"))
+        loader = build_loader(cfg, ctx.dims.coords(ctx.rank)["dp"], ctx.dims.dp, epoch=0)
+        batches = _Batches(loader, ctx.device)
+        start = 0 if cfg.resume_from is None else checkpoint.resume(cfg, runner, batches, ctx)
         runner.steps_taken = start
-        result = _loop(
-            cfg,
-            runner,
-            batches,
-            mesh,
-            dims,
-            rank,
-            world,
-            dev,
-            pg_backend,
-            publish,
-            should_stop,
-            start=start,
-            distributed=on,
-        )
+        result = _loop(cfg, runner, batches, ctx, publish, should_stop, start)
         if on_finish is not None:
             on_finish(runner)
         return result
@@ -169,136 +137,145 @@ def run_training(
             runner.close()
 
 
-def _loop(
-    cfg,
-    runner,
-    batches,
-    mesh,
-    dims,
-    rank,
-    world,
-    dev,
-    pg_backend,
-    publish,
-    should_stop,
-    start=0,
-    distributed=False,
-) -> dict:
+def _loop(cfg, runner, batches, ctx: RankContext, publish, should_stop, start) -> RankResult:
+    """Steps ``start .. cfg.steps - 1`` (fewer if the ranks agree to stop), each
+    published and checkpointed when due; then this rank's summary."""
     timer = getattr(runner, "comm_timer", None) or CommTimer()
-    global_batch = cfg.global_batch(world)
-    tokens = cfg.gpt.seq_len if cfg.dataset_name() == "pysource" else None
-    device.reset_peak(pg_backend)
-    history = []
-    comm = None
+    device.reset_peak(ctx.backend)
+    history: list[StepRecord] = []
+    comm = None  # the latest metered step's meter
     for step in range(start, cfg.steps):
-        if should_stop is not None and _agree_to_stop(should_stop, dev, world):
+        if should_stop is not None and _agree_to_stop(should_stop, ctx):
             break
-        micro_batches = [batches.next() for _ in range(cfg.grad_accum)]
-        timer.start_step()
-        metered = is_metered(step, start, cfg.steps)
-        if metered:
-            with CommMeter() as comm, StepMemory(runner) as mem:
-                loss = runner.train_step(micro_batches)
-        else:
-            loss = runner.train_step(micro_batches)
-        device.synchronize(pg_backend)
-        loss, local = _global_loss(loss, mesh, dims, dev, timer)
-        step_s = timer.end_step()
-        comm_s = timer.comm_s()
-        if metered and distributed and world > 1:
-            exchange_launches(comm)  # outside the step's time: how long ops waited
-        record = {
-            "step": step,
-            "rank": rank,
-            "loss": loss,
-            "local_loss": local,
-            "step_time_s": step_s,
-            "compute_s": step_s - comm_s,
-            "comm_s": comm_s,
-            "samples_per_s": global_batch / step_s,
-            "tokens_per_s": global_batch * tokens / step_s if tokens else None,
-            **runner.memory(),
-            **memory_snapshot(pg_backend),
-            "time": time.time(),
-        }
-        if metered:  # this step ran slower: every op went through Python
-            record.update(
-                comm_bytes=comm.total(),
-                comm_bytes_by_op=comm.by_op(),
-                comm_in_flight_s=comm.comm_s(),
-                exposed_comm_s=comm.exposed_transfer_s(),
-                comm_wait_s=comm.wait_s(),
-                comm_metered=True,
-                **mem.figures(),
-            )
-            if "activation_peak_bytes" in record:  # a pipeline counts its own, per stage
-                record["activation_bytes"] = record["activation_peak_bytes"]
-        record["peak_bytes"] = step_peak_bytes(record)
+        record, meter = _step(cfg, runner, batches, ctx, timer, step, start)
+        if meter is not None:
+            comm = meter
         history.append(record)
         if publish is not None:
             publish(dict(record))
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            checkpoint.save(
-                cfg,
-                runner,
-                step + 1,
-                batches.position(),
-                rank=rank,
-                world=world,
-                dims=dims,
-                distributed=distributed,
-            )
-    total_step = sum(r["step_time_s"] for r in history)
-    total_comm = sum(r["comm_s"] for r in history)
-    last = history[-1] if history else {**runner.memory(), **memory_snapshot(pg_backend)}
-    last.setdefault("peak_bytes", step_peak_bytes(last))
-    metered_recs = [r for r in history if r.get("comm_metered")]
-    metered_rec = metered_recs[0] if metered_recs else {}
+            checkpoint.save(cfg, runner, step + 1, batches.position(), ctx)
+    return _summary(history, runner, ctx, comm)
+
+
+def _step(cfg, runner, batches, ctx: RankContext, timer: CommTimer, step: int, start: int):
+    """Train step ``step``; (its record, its CommMeter when the step is metered, else None)."""
+    micro_batches = [batches.next() for _ in range(cfg.grad_accum)]
+    timer.start_step()
+    comm = mem = None
+    if is_metered(step, start, cfg.steps):
+        with CommMeter() as comm, StepMemory(runner) as mem:
+            loss = runner.train_step(micro_batches)
+    else:
+        loss = runner.train_step(micro_batches)
+    device.synchronize(ctx.backend)
+    loss, local = _global_loss(loss, ctx, timer)
+    step_s = timer.end_step()
+    comm_s = timer.comm_s()
+    if comm is not None and ctx.distributed and ctx.world > 1:
+        exchange_launches(comm)  # outside the step's time: how long ops waited
+    global_batch = cfg.global_batch(ctx.world)
+    tokens = cfg.gpt.seq_len if cfg.dataset_name() == "pysource" else None
+    record: StepRecord = {
+        "step": step,
+        "rank": ctx.rank,
+        "loss": loss,
+        "local_loss": local,
+        "step_time_s": step_s,
+        "compute_s": step_s - comm_s,
+        "comm_s": comm_s,
+        "samples_per_s": global_batch / step_s,
+        "tokens_per_s": global_batch * tokens / step_s if tokens else None,
+        **runner.memory(),
+        **memory_snapshot(ctx.backend),
+        "time": time.time(),
+    }
+    if comm is not None:  # this step ran slower: every op went through Python
+        record.update(_metered_figures(comm, mem, record))
+    record["peak_bytes"] = step_peak_bytes(record)
+    return record, comm
+
+
+def _metered_figures(comm: CommMeter, mem: StepMemory, record: StepRecord) -> dict:
+    """What a metered step adds to its record: its collectives and its memory."""
+    figures = {
+        "comm_bytes": comm.total(),
+        "comm_bytes_by_op": comm.by_op(),
+        "comm_in_flight_s": comm.comm_s(),
+        "exposed_comm_s": comm.exposed_transfer_s(),
+        "comm_wait_s": comm.wait_s(),
+        "comm_metered": True,
+        **mem.figures(),
+    }
+    if "activation_peak_bytes" in record:  # a pipeline counts its own, per stage
+        figures["activation_bytes"] = record["activation_peak_bytes"]
+    return figures
+
+
+def _summary(history: list[StepRecord], runner, ctx: RankContext, comm) -> RankResult:
+    """This rank's result: the last step's model states, the run's peaks of memory, a
+    normal step's time and the metered steps' communication (see `RankResult`)."""
+    last = history[-1] if history else _idle_record(runner, ctx)
+    metered = [r for r in history if r.get("comm_metered")]
+    first = metered[0] if metered else {}
     # a normal step: the median of those not metered (every op through Python is slower)
     step_s = statistics.median(
         [r["step_time_s"] for r in history if not r.get("comm_metered")]
         or [r["step_time_s"] for r in history]
         or [0.0]
     )
-    by_flight = sorted(metered_recs, key=lambda r: r.get("comm_in_flight_s") or 0.0)
-    pick = by_flight[(len(by_flight) - 1) // 2] if by_flight else {}
-    shares = step_shares(
-        pick.get("comm_in_flight_s"), pick.get("exposed_comm_s"), pick.get("comm_wait_s"), step_s
-    )
     bubble = getattr(runner, "bubble_fraction", None)
     forced = getattr(runner, "schedule_bubble_fraction", None)
     return {
-        "rank": rank,
+        "rank": ctx.rank,
         "losses": [r["loss"] for r in history],
-        "param_bytes": last["param_bytes"],
-        "grad_bytes": last["grad_bytes"],
-        "optim_bytes": last["optim_bytes"],
+        **{key: last[key] for key in MEMORY_PARTS},
         # peaks of this run only: tracked memory (device allocator on GPUs), and the
         # process's resident memory as its own figure
         "peak_bytes": max([r["peak_bytes"] for r in history], default=last["peak_bytes"]),
         "process_peak_bytes": max([r["rss_bytes"] for r in history], default=last["rss_bytes"]),
-        "activation_bytes": metered_rec.get("activation_bytes"),
-        "memory_error": metered_rec.get("memory_error"),
+        "activation_bytes": first.get("activation_bytes"),
+        "memory_error": first.get("memory_error"),
         "step_time_s": step_s,
-        # bytes this rank sent in one training step (the metered one), by kind of op
-        "comm_bytes": comm.total() if comm is not None else None,
-        "comm_bytes_by_op": comm.by_op() if comm is not None else None,
-        # communication of the metered step, whatever strategy launched it: seconds with an
-        # op in flight, the part no compute hid once every rank had joined (exposed), and
-        # the part spent waiting for a slower rank to join (wait), taken from one metered
-        # step (the median by in-flight time), and as shares of a normal step (the median
-        # above: the metered step itself runs several times slower, every op passing
-        # through Python; `step_split.step_shares` says how the shares stay parts of a whole)
-        "comm_s": pick.get("comm_in_flight_s"),
-        "exposed_comm_s": pick.get("exposed_comm_s"),
-        "comm_wait_s": pick.get("comm_wait_s"),
-        "comm_fraction": shares[0]
-        if metered_recs
-        else (min(1.0, total_comm / total_step) if total_step > 0 else 0.0),
-        "exposed_comm_fraction": shares[1] if metered_recs else None,
-        "comm_wait_fraction": shares[2] if metered_recs else None,
+        **_comm_summary(history, metered, comm, step_s),
         "bubble_fraction": bubble() if callable(bubble) else None,
         # the part of the bubble the schedule forces with the measured stage times
         "schedule_bubble_fraction": forced() if callable(forced) else None,
         "history": history,
+    }
+
+
+def _idle_record(runner, ctx: RankContext) -> dict:
+    """The memory figures of a run that took no step (stopped before its first)."""
+    figures = {**runner.memory(), **memory_snapshot(ctx.backend)}
+    figures["peak_bytes"] = step_peak_bytes(figures)
+    return figures
+
+
+def _comm_summary(history, metered, comm, step_s: float) -> dict:
+    """The run's communication: bytes this rank sent in one training step (the latest
+    metered one), by kind of op; seconds with an op in flight, the part no compute hid
+    once every rank had joined (exposed), and the part spent waiting for a slower rank to
+    join (wait), taken from one metered step (the median by in-flight time), and as shares
+    of a normal step ``step_s`` (the metered step itself runs several times slower, every
+    op passing through Python; `step_split.step_shares` says how the shares stay parts of
+    a whole). Without a metered step, the timer's share of all steps."""
+    by_flight = sorted(metered, key=lambda r: r.get("comm_in_flight_s") or 0.0)
+    pick = by_flight[(len(by_flight) - 1) // 2] if by_flight else {}
+    shares = step_shares(
+        pick.get("comm_in_flight_s"), pick.get("exposed_comm_s"), pick.get("comm_wait_s"), step_s
+    )
+    total_step = sum(r["step_time_s"] for r in history)
+    total_comm = sum(r["comm_s"] for r in history)
+    return {
+        "comm_bytes": comm.total() if comm is not None else None,
+        "comm_bytes_by_op": comm.by_op() if comm is not None else None,
+        "comm_s": pick.get("comm_in_flight_s"),
+        "exposed_comm_s": pick.get("exposed_comm_s"),
+        "comm_wait_s": pick.get("comm_wait_s"),
+        "comm_fraction": shares[0]
+        if metered
+        else (min(1.0, total_comm / total_step) if total_step > 0 else 0.0),
+        "exposed_comm_fraction": shares[1] if metered else None,
+        "comm_wait_fraction": shares[2] if metered else None,
     }

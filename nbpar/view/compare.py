@@ -11,6 +11,7 @@ import base64
 import html
 
 from nbpar.estimate import format_bytes
+from nbpar.measure.records import MEMORY_PARTS, PART_NAMES, model_state_bytes
 from nbpar.view.history import run_label
 from nbpar.view.panels import bytes_axis, figure_png
 
@@ -87,9 +88,9 @@ def summarize(obj, label: str | None = None) -> dict:
         "global_batch": global_batch(res),
         "precision": cfg.get("precision"),
     }
-    for key in ("peak_bytes", "param_bytes", "grad_bytes", "optim_bytes"):
+    for key in ("peak_bytes", *MEMORY_PARTS):
         row[key] = max(r[key] for r in ranks)
-    row["states_bytes"] = max(r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"] for r in ranks)
+    row["states_bytes"] = max(model_state_bytes(r) for r in ranks)
     sent = [r["comm_bytes"] for r in ranks if r.get("comm_bytes") is not None]
     row["comm_bytes"] = max(sent) if sent else None
     row.update(
@@ -275,10 +276,6 @@ def describe(res: dict) -> list[str]:
         timing += f", pipeline bubble {res['bubble_fraction']:.0%}"
     lines.append(timing)
     for r in res["ranks"]:
-        lines.append(
-            f"rank {r['rank']}: peak {_fmt('peak_bytes', r.get('peak_bytes'))}, "
-            f"params {_fmt('param_bytes', r.get('param_bytes'))}, grads "
-            f"{_fmt('grad_bytes', r.get('grad_bytes'))}, optimizer "
-            f"{_fmt('optim_bytes', r.get('optim_bytes'))}"
-        )
+        parts = ", ".join(f"{PART_NAMES[k]} {_fmt(k, r.get(k))}" for k in MEMORY_PARTS)
+        lines.append(f"rank {r['rank']}: peak {_fmt('peak_bytes', r.get('peak_bytes'))}, {parts}")
     return lines

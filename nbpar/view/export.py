@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+from nbpar.measure.records import MEMORY_PARTS
 from nbpar.view.history import as_history, by_rank, memory_parts
 
 #: TensorBoard tag -> record key.
@@ -18,11 +19,7 @@ SCALARS = {
     "time/comm_s": "comm_s",
     "throughput/samples_per_s": "samples_per_s",
     "throughput/tokens_per_s": "tokens_per_s",
-    "memory/param_bytes": "param_bytes",
-    "memory/grad_bytes": "grad_bytes",
-    "memory/optim_bytes": "optim_bytes",
-    "memory/rss_bytes": "rss_bytes",
-    "memory/peak_bytes": "peak_bytes",
+    **{f"memory/{key}": key for key in (*MEMORY_PARTS, "rss_bytes", "peak_bytes")},
 }
 
 

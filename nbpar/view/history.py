@@ -1,7 +1,8 @@
 """Per-step training records, grouped the way every figure reads them.
 
 A run publishes one record per (step, rank): loss, step/compute/comm seconds,
-throughput and memory bytes (see `nbpar.train.loop`). The dashboard, the static
+throughput and memory bytes (`nbpar.measure.records.StepRecord`, written by
+`nbpar.train.loop`; the memory rules are that module's too). The dashboard, the static
 plots, the comparison table and the exporters all start from these helpers,
 so they agree on what "the latest step" or "the loss of a run" means.
 """
@@ -10,9 +11,9 @@ from __future__ import annotations
 
 import statistics
 
+from nbpar.measure.records import held_bytes, model_state_bytes, model_states
 from nbpar.measure.step_split import step_shares
 
-MEMORY_PARTS = ("param_bytes", "grad_bytes", "optim_bytes")
 #: Communication above this share of the step time is worth a look (Megatron-LM
 #: and ZeRO report healthy data/tensor parallel runs well below it).
 COMM_HEALTH = 0.2
@@ -51,18 +52,12 @@ def by_rank(history: list[dict]) -> dict[int, list[dict]]:
 def other_bytes(rec: dict) -> float:
     """Memory that is none of params/grads/optimizer (activations, buffers, runtime):
     of the device's allocated memory on a GPU, of the process's RSS on CPU."""
-    held = rec.get("device_allocated_bytes") or rec.get("rss_bytes") or 0
-    return max(0.0, held - sum(rec.get(k) or 0 for k in MEMORY_PARTS))
+    return max(0.0, (held_bytes(rec) or 0) - model_state_bytes(rec))
 
 
 def memory_parts(rec: dict) -> dict[str, float]:
     """{"params", "grads", "optimizer", "other"} bytes of one record."""
-    return {
-        "params": rec.get("param_bytes") or 0,
-        "grads": rec.get("grad_bytes") or 0,
-        "optimizer": rec.get("optim_bytes") or 0,
-        "other": other_bytes(rec),
-    }
+    return {**model_states(rec), "other": other_bytes(rec)}
 
 
 def comm_split(

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import deque
 
 from nbpar.estimate import format_bytes
+from nbpar.measure.records import memory_key, model_state_bytes, model_states
 from nbpar.view.history import COMM_HEALTH, SPLIT_WINDOW, comm_split
 
 WAITING = "waiting for the first step"
@@ -49,17 +50,6 @@ def waiting_spec() -> dict:
         "waiting": WAITING,
         "panels": [{"id": k, "title": t, "unit": "", "series": []} for k, t in TITLES.items()],
     }
-
-
-def memory_key(rec: dict) -> str:
-    """What holds a rank's memory: the device allocator on a GPU, the process RSS on CPU."""
-    return (
-        "device_allocated_bytes" if rec.get("device_allocated_bytes") is not None else "rss_bytes"
-    )
-
-
-def states_bytes(rec: dict) -> float:
-    return sum(rec.get(k) or 0 for k in ("param_bytes", "grad_bytes", "optim_bytes"))
 
 
 def global_loss(recs: list[dict]):
@@ -190,7 +180,7 @@ class LiveFeed:
             "loss": loss,
             "step": step,
             "throughput": [min(rates) if rates else None],
-            "states": [states_bytes(r) for r in recs],
+            "states": [model_state_bytes(r) for r in recs],
             "process": [r.get(spec["memory_key"]) for r in recs],
         }
         for panel, values in row.items():
@@ -219,9 +209,8 @@ class LiveFeed:
         busy = [r for r, s in shares.items() if s > COMM_HEALTH]
         comm = " · ".join(f"rank {r} {s:.0%}" for r, s in shares.items()) or "not metered yet"
         states = " · ".join(
-            f"rank {r}: params {format_bytes(self.latest[r].get('param_bytes') or 0)}, "
-            f"grads {format_bytes(self.latest[r].get('grad_bytes') or 0)}, "
-            f"optimizer {format_bytes(self.latest[r].get('optim_bytes') or 0)}"
+            f"rank {r}: "
+            + ", ".join(f"{k} {format_bytes(v)}" for k, v in model_states(self.latest[r]).items())
             for r in ranks
         )
         loss = (

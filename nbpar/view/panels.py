@@ -9,8 +9,9 @@ live view draws in the browser instead (`nbpar.view.livechart`). ``groups`` is
 from __future__ import annotations
 
 from nbpar.estimate import format_bytes
+from nbpar.measure.records import held_bytes
 from nbpar.view.history import COMM_HEALTH, comm_split, memory_parts, throughput
-from nbpar.view.live import global_loss, memory_key
+from nbpar.view.live import global_loss
 
 MEMORY_COLORS = {
     "params": "tab:blue",
@@ -127,7 +128,7 @@ class MemoryPanel:
             self.texts[i].set_position((i, bottom))
             self.texts[i].set_text(format_bytes(bottom) if recs else "")
             top = max(top, bottom)
-            held = (recs[-1].get(memory_key(recs[-1])) or 0) if recs else 0
+            held = (held_bytes(recs[-1]) or 0) if recs else 0
             peak = max([held] + [r.get("peak_bytes") or 0 for r in recs or []])
             self.process.patches[i].set_height(held)
             offsets = self.peaks.get_offsets()

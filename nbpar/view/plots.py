@@ -6,6 +6,7 @@ Each function takes a Run, its history, or the CLI's result dict, draws on ``ax`
 
 from __future__ import annotations
 
+from nbpar.measure.records import model_states
 from nbpar.view.history import as_history, by_rank, memory_parts, run_label
 from nbpar.view.panels import MEMORY_COLORS, SplitPanel, bytes_axis
 
@@ -104,10 +105,7 @@ def _measured(obj) -> tuple[list[int], list[dict], list[float | None]]:
     """(ranks, parts per rank, peak bytes per rank) from a result dict or a history."""
     if isinstance(obj, dict) and isinstance(obj.get("ranks"), list):
         rows = obj["ranks"]
-        parts = [
-            {"params": r["param_bytes"], "grads": r["grad_bytes"], "optimizer": r["optim_bytes"]}
-            for r in rows
-        ]
+        parts = [model_states(r) for r in rows]
         return [r["rank"] for r in rows], parts, [r.get("peak_bytes") for r in rows]
     groups = by_rank(as_history(obj))
     return (

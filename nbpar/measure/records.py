@@ -1,0 +1,130 @@
+"""What a run reports, typed once: the step record each rank publishes, and its result.
+
+Records travel as plain dicts (ipyparallel's data publication, ``json.dumps``), so the
+types are TypedDicts: they name the keys `nbpar.train.loop` writes and what each figure
+means, and cost nothing at run time. The memory rules every reader shares live here too:
+which parts are model states (`MEMORY_PARTS`), their sum (`model_state_bytes`) and what
+holds a rank's memory (`memory_key`, `held_bytes`). Imports nothing.
+"""
+
+from __future__ import annotations
+
+from typing import TypedDict
+
+#: The model states a rank holds, in the order tables show them (ZeRO's three parts).
+MEMORY_PARTS = ("param_bytes", "grad_bytes", "optim_bytes")
+#: What figures and tables call each part.
+PART_NAMES = {"param_bytes": "params", "grad_bytes": "grads", "optim_bytes": "optimizer"}
+#: What holds a rank's memory, first measured wins: the device allocator (GPU), the RSS.
+HELD_KEYS = ("device_allocated_bytes", "rss_bytes")
+
+
+class ModelStates(TypedDict):
+    """Bytes of the model states this rank holds after a step (a runner's ``memory()``)."""
+
+    param_bytes: int  # parameters: this rank's shard or stage where they are split
+    grad_bytes: int  # gradients held after the step (DeepSpeed: at its last boundary)
+    optim_bytes: int  # optimizer state (Adam moments; fp32 masters under mixed precision)
+
+
+class _Ranked(TypedDict):
+    rank: int  # global rank in the run's process group (0 for strategy single)
+
+
+class _StepRequired(_Ranked, ModelStates):
+    step: int  # optimizer step index, from 0 (a resumed run goes on from its checkpoint)
+    loss: float  # loss of the whole global batch, the same on every rank
+    local_loss: float  # this rank's own loss before the dp average
+    step_time_s: float  # wall seconds of the step, device synchronized
+    compute_s: float  # step_time_s - comm_s
+    comm_s: float  # seconds a collective the runner's timer wraps was in flight
+    samples_per_s: float  # global samples per second of this step
+    tokens_per_s: float | None  # global tokens per second; None where samples are no text
+    rss_bytes: int  # this process's resident memory after the step
+    peak_bytes: int  # peak of tracked memory in the step (`metrics.step_peak_bytes`)
+    time: float  # Unix seconds when the record was made
+
+
+class StepRecord(_StepRequired, total=False):
+    """One record per (step, rank); the keys below appear only where they were measured."""
+
+    device_allocated_bytes: int  # GPU: the allocator's bytes after the step
+    device_peak_bytes: int  # GPU: the allocator's peak since the run began
+    device_util_pct: int  # GPU: utilization in percent, where NVML answers
+    offload_bytes: int  # DeepSpeed: bytes of the model states offloaded to host memory
+    activation_peak_bytes: int  # pipeline: peak bytes of activations this stage kept
+    # a metered step (`nbpar.train.loop.is_metered`); it runs slower, every op in Python
+    comm_metered: bool  # True: the figures below were measured on this step
+    comm_bytes: int  # bytes this rank sent in the step, every collective together
+    comm_bytes_by_op: dict[str, int]  # the same by kind of collective
+    comm_in_flight_s: float  # seconds with a collective in flight
+    exposed_comm_s: float  # of those, seconds no compute hid once every rank joined
+    comm_wait_s: float  # of those, seconds spent waiting for a slower rank to join
+    tracked_peak_bytes: int  # peak of live tensor storage in the step (`memtrack`)
+    activation_bytes: int  # peak of storage saved for backward
+    memory_error: str  # why the memory meter could not follow the step (instead of both)
+
+
+class RankResult(_Ranked, ModelStates):
+    """What `nbpar.train.loop.run_training` returns on one rank (model states: last step's)."""
+
+    losses: list[float]  # the global batch's loss per step
+    peak_bytes: int  # peak of tracked memory over this run
+    process_peak_bytes: int  # peak resident memory of the process over this run
+    activation_bytes: int | None  # the first metered step's; None without one
+    memory_error: str | None  # why the memory meter failed on that step, else None
+    step_time_s: float  # a normal step: the median of the unmetered steps, seconds
+    comm_bytes: int | None  # bytes sent in the last metered step; None without one
+    comm_bytes_by_op: dict[str, int] | None  # the same by kind of collective
+    # the median metered step by in-flight time: seconds in flight, exposed, waiting
+    comm_s: float | None
+    exposed_comm_s: float | None
+    comm_wait_s: float | None
+    # the same as shares of a normal step (`nbpar.measure.step_split.step_shares`);
+    # comm_fraction falls back to the timer's share when no step was metered
+    comm_fraction: float
+    exposed_comm_fraction: float | None
+    comm_wait_fraction: float | None
+    bubble_fraction: float | None  # pipeline: measured idle share of the pp ranks
+    schedule_bubble_fraction: float | None  # pipeline: the part its schedule forces
+    history: list[StepRecord]  # every step record of this rank, in step order
+
+
+class ResultRank(_Ranked, ModelStates):
+    """One entry of ``Run.result()["ranks"]`` and ``nbpar train --json`` (the contract):
+    a `RankResult`'s figures, without its history and shares."""
+
+    peak_bytes: int
+    comm_bytes: int | None
+    comm_bytes_by_op: dict[str, int] | None
+    comm_s: float | None
+    exposed_comm_s: float | None
+    comm_wait_s: float | None
+    activation_bytes: int | None
+    process_peak_bytes: int
+
+
+def result_rank(res: RankResult) -> ResultRank:
+    """The contract's entry for one rank, its keys in `ResultRank`'s order."""
+    return {key: res[key] for key in ResultRank.__annotations__}
+
+
+def model_states(rec) -> dict[str, int]:
+    """{"params", "grads", "optimizer"} bytes of a record or result row (missing: 0)."""
+    return {PART_NAMES[key]: rec.get(key) or 0 for key in MEMORY_PARTS}
+
+
+def model_state_bytes(rec) -> int:
+    """Params + grads + optimizer state of a record or result row (missing: 0)."""
+    return sum(model_states(rec).values())
+
+
+def memory_key(rec) -> str:
+    """What holds a rank's memory: the device allocator on a GPU, the process RSS on CPU
+    (the first of `HELD_KEYS` the record measured, a missing or None value is not)."""
+    return next((key for key in HELD_KEYS if rec.get(key) is not None), HELD_KEYS[-1])
+
+
+def held_bytes(rec) -> int | None:
+    """The bytes a record says its rank holds (`memory_key`); None when unmeasured."""
+    return rec.get(memory_key(rec))

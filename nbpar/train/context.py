@@ -1,0 +1,69 @@
+"""Where one rank trains: its place in the world, the topology and its device.
+
+`RankContext.build(cfg)` is made once per run by `nbpar.train.loop.run_training`; the
+step loop and `nbpar.train.checkpoint` read it instead of a loose bag of arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from nbpar import device
+from nbpar.parallel.mesh import cached_mesh
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from nbpar.config import TrainConfig
+    from nbpar.dims import ParallelDims
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """One rank of a run, fixed for the run's life."""
+
+    rank: int
+    """this process's rank in the run (0 for strategy single)"""
+    world: int
+    """ranks in the run (1 for strategy single)"""
+    dims: ParallelDims
+    """the run's parallel degrees (``cfg.dims(world)``)"""
+    mesh: DeviceMesh | None
+    """the named ("pp", "dp", "tp") mesh of ``dims``; None without a process group"""
+    device: torch.device
+    """where this rank computes"""
+    backend: str
+    """the process group's backend (gloo, nccl), or this machine's default without one"""
+    distributed: bool
+    """whether the run uses the default process group (False for strategy single)"""
+
+    @classmethod
+    def build(cls, cfg: TrainConfig) -> tuple[RankContext, TrainConfig]:
+        """This rank's context for ``cfg``, and ``cfg`` as it runs on this world
+        (`TrainConfig.validate`'s checked config).
+
+        Strategy single is the one-process reference: on an engine of a larger pool it
+        ignores the pool's process group (only rank 0 runs it)."""
+        group = dist.is_available() and dist.is_initialized()
+        on = group and cfg.strategy != "single"
+        world, rank = (dist.get_world_size(), dist.get_rank()) if on else (1, 0)
+        cfg = cfg.validate(world)
+        if not on and cfg.strategy != "single":
+            raise ValueError(
+                f"strategy {cfg.strategy!r} needs a torch.distributed process group "
+                f"(run it on a Pool's engines); only 'single' runs without one"
+            )
+        backend = dist.get_backend() if group else device.default_backend()
+        here = device.current_device(backend)
+        dims = cfg.dims(world)
+        mesh = cached_mesh(dims, device.device_type(backend)) if on else None
+        return cls(rank, world, dims, mesh, here, backend, on), cfg
+
+    def group(self, dim: str):
+        """The process group of mesh dimension ``dim`` ("pp", "dp", "tp") where its
+        degree is above 1, else None (nothing to talk to)."""
+        return self.mesh.get_group(dim) if getattr(self.dims, dim) > 1 else None
