@@ -254,3 +254,18 @@ def test_the_layer_check_catches_an_upward_import(tmp_path):
     ]
     (pkg / "measure" / "meter.py").write_text("def count():\n    return 0\n")
     assert upward_imports(import_graph(pkg, reexport_only={"nbpar"})) == []
+
+
+def test_the_readme_layout_draws_every_layer_and_names_every_module():
+    text = (ROOT / "README.md").read_text()
+    layout = text[text.index("## Layout") :]
+    diagram = layout[: layout.index("What each may import")]
+    drawn = [line.split()[0] for line in diagram.splitlines() if line[:1] == " " and line.strip()]
+    drawn = [word for word in drawn if word.isidentifier()]
+    assert drawn == [name for name, _ in reversed(LAYERS)]
+    modules = {
+        f.name
+        for f in (ROOT / "nbpar").rglob("*.py")
+        if f.name not in ("__init__.py", "__main__.py")
+    }
+    assert sorted(m for m in modules if m not in layout) == []

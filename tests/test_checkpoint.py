@@ -62,18 +62,18 @@ def test_crash_mid_save_leaves_the_last_good_checkpoint(tmp_path, monkeypatch):
     ck = tmp_path / "ck"
     cfg = dict(**GPT, strategy="single", micro_batch=8, checkpoint_dir=str(ck), checkpoint_every=5)
     reference = run_training(TrainConfig(**GPT, strategy="single", micro_batch=8, steps=20))
-    publish = checkpoint.publish
+    promote = checkpoint.promote
 
     def crash_at_15(root, tmp, final):
-        if final.endswith("step_000015"):  # shards and meta.json are written, not published
+        if final.endswith("step_000015"):  # shards and meta.json are written, not promoted
             assert os.path.isfile(os.path.join(tmp, META))
             raise OSError("simulated crash while saving")
-        publish(root, tmp, final)
+        promote(root, tmp, final)
 
-    monkeypatch.setattr(checkpoint, "publish", crash_at_15)
+    monkeypatch.setattr(checkpoint, "promote", crash_at_15)
     with pytest.raises(OSError, match="simulated crash"):
         run_training(TrainConfig(**cfg, steps=20))
-    monkeypatch.setattr(checkpoint, "publish", publish)
+    monkeypatch.setattr(checkpoint, "promote", promote)
     assert (ck / LATEST).read_text() == "step_000010"
     assert (ck / ".tmp-step_000015").is_dir()
     assert [s for s, _ in list_checkpoints(str(ck))] == [5, 10]

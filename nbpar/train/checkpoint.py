@@ -181,7 +181,7 @@ def save(cfg, runner, step: int, position: dict, ctx: RankContext) -> str:
     if ctx.rank == 0:
         meta = _meta(cfg, runner, step, position, ctx)
         atomic_write_text(os.path.join(tmp, META), json.dumps(meta, indent=1, sort_keys=True))
-        publish(root, tmp, final)
+        promote(root, tmp, final)
         prune(root, cfg.checkpoint_keep)
     _barrier(ctx)
     return final
@@ -209,7 +209,7 @@ def _meta(cfg, runner, step: int, position: dict, ctx: RankContext) -> dict:
     }
 
 
-def publish(root: str, tmp: str, final: str) -> None:
+def promote(root: str, tmp: str, final: str) -> None:
     """Rename the complete ``tmp`` onto ``final``, then point ``latest`` at it."""
     if os.path.exists(final):  # the same step written again (a rerun from an earlier point)
         shutil.rmtree(final)

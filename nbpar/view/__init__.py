@@ -3,7 +3,7 @@ client-side by `livechart` from the steps `live` reads), static matplotlib `pane
 `plots`, `compare`, the `widgets` (StrategyPicker, with `picker_rules` and
 `picker_runs`), `history` (step records grouped
 the way every figure reads them), `export` (TensorBoard, Prometheus, W&B) and `teaching`
-(the notebooks' figures and small experiments). Reads what a run published; may import
-anything above it, nothing imports it at import time. Importing this package imports
+(the notebooks' figures). Reads what a run published; may import the layers below it
+(README "Layout"); nothing imports it at import time. Importing this package imports
 nothing else.
 """
