@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 
+from nbpar.errors import PoolError, RankError
 from nbpar.strategies import BACKENDS, SCHEDULES, STRATEGIES, engines_for
 
 
@@ -335,6 +336,9 @@ def main(argv=None) -> int:
     except UsageError as err:
         print(f"nbpar: error: {err}", file=sys.stderr)
         return 2
+    except (RankError, PoolError) as err:  # the run started and failed: one line, not ours
+        print(f"nbpar: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
     print(json.dumps(out) if args.json else _human(args.command, out))
     return 0
 

@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 
-class PoolError(RuntimeError):
+class Said:
+    """An error whose message says all a person needs: in IPython and Jupyter it shows
+    as that message, not under the traceback of nbpar's internals that raised it."""
+
+    def _render_traceback_(self):
+        lines = str(self).splitlines() or [""]
+        return [f"{type(self).__name__}: {lines[0]}", *lines[1:]]
+
+
+class PoolError(Said, RuntimeError):
     """The pool cannot do what was asked (not started, shut down, busy)."""
 
 
@@ -51,7 +60,7 @@ class RankError(RuntimeError):
         return lines
 
 
-class ConfigError(ValueError):
+class ConfigError(Said, ValueError):
     """A setting that cannot run, found before anything starts: ``fields`` names the
     settings the reason is about (TrainConfig fields such as ``"micro_batch"`` or
     ``"gpt.n_heads"``; the first is the one to change), the message says why."""

@@ -193,10 +193,12 @@ def checked_config(cfg, world: int):
     """The config as it runs on ``world`` ranks, checked once before any engine works:
     `TrainConfig.validate`, then the model and its first batch built and run here
     (`nbpar.probe.check_model`), so a bad factory or batch is one line, not a hang."""
+    from nbpar.checks import about
     from nbpar.probe import check_model
 
     checked = cfg.validate(world)
-    check_model(checked, world)
+    with about("model"):
+        check_model(checked, world)
     return checked
 
 
