@@ -189,8 +189,8 @@ def check_combination(cfg) -> None:
     if s in GPT_ONLY and cfg.model == "simple_cnn":
         # hf:* and models declaring a parallel plan are split too (checked when built)
         raise ConfigError(
-            f"strategy {s!r} needs model 'tiny_gpt' (it splits transformer "
-            f"layers), got {cfg.model!r}",
+            f"strategy {s!r} needs model 'tiny_gpt', 'hf:llama', 'hf:gpt2' or one with a "
+            f"parallel_plan() (it splits transformer layers), got {cfg.model!r}",
             fields=("model", "strategy"),
         )
     if b == "deepspeed" and s not in DEEPSPEED_STRATEGIES:

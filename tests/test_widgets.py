@@ -162,7 +162,8 @@ def test_all_problems_at_once_in_the_labels_words():
     _set(picker, model="simple_cnn", strategy="tp", precision="fp16", grad_accum="1.5")
     assert picker.problems == [
         "grad accum must be a whole number, not 1.5",
-        "strategy tp needs model tiny_gpt (it splits transformer layers), got simple_cnn",
+        "strategy tp needs model tiny_gpt, hf:llama, hf:gpt2 or one with a parallel_plan() "
+        "(it splits transformer layers), got simple_cnn",
         "precision fp16 needs backend deepspeed (its loss scaler); use bf16 or fp32 with "
         "backend torch",
     ]
@@ -304,3 +305,10 @@ def test_fit_picker_says_what_is_wrong_in_one_line():
     picker.fields["model_config"].value = '{"hidden_sise": 64}'
     assert picker.simulate() == []
     assert "hidden_sise" in picker.result.value and "\n" not in picker.result.value
+
+
+def test_in_words_keeps_an_apostrophe_and_strips_quotes():
+    from nbpar.view.picker_rules import in_words
+
+    said = in_words("DeepSpeed's pipeline engine runs only the 1f1b schedule, got 'gpipe'")
+    assert said == "DeepSpeed's pipeline engine runs only the 1f1b schedule, got gpipe"

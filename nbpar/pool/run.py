@@ -76,6 +76,7 @@ class Run:
         self.run_id = uuid.uuid4().hex[:12]
         self.started = time.time()
         self._results = None
+        self.stop_asked = False
         self._ars = {
             r: pool.client[pool.engine_id(r)].apply_async(
                 train_on_engine, portable_fields(cfg.to_dict()), self.run_id, entry(cfg.model)
@@ -120,6 +121,7 @@ class Run:
         """Ask every rank to stop after its current step."""
         store = self.pool.store()
         store.set(f"stop/{self.run_id}", "1")
+        self.stop_asked = True
 
     def result(self) -> dict:
         """The CLI's JSON shape: config, losses, per-rank memory, timing."""
@@ -181,7 +183,9 @@ class Run:
         from nbpar.model.registry import display_name
 
         steps = {rec["step"] for rec in self.history}
-        state = "done" if self.done() else "running"
+        state = "running"
+        if self.done():
+            state = "stopped" if self.stop_asked and len(steps) < self.cfg.steps else "done"
         return (
             f"<nbpar.Run {self.cfg.strategy}/{self.cfg.backend} "
             f"{display_name(self.cfg.model)}: "

@@ -73,7 +73,7 @@ def in_words(message: str) -> str:
     """A TrainConfig message in the picker's words: ``grad_accum=1`` -> ``grad accum 1``,
     ``'gpipe'`` -> ``gpipe``, ``dp*tp*pp`` -> ``dp × tp × pp``."""
     words = {**LABELS, **MODEL_WORDS}
-    text = re.sub(r"'([^']*)'", r"\1", message)
+    text = re.sub(r"(?<!\w)'([^'\s]*)'", r"\1", message)  # 'gpipe' -> gpipe; DeepSpeed's stays
     text = _ASSIGN_RE.sub(lambda m: f"{words[m[1]]} {m[3]}", text)
     for name, said in MODEL_WORDS.items():
         text = text.replace(name, said)

@@ -105,7 +105,8 @@ def _bad_numbers(page, picker) -> None:
         picker,
         [
             "grad accum must be a whole number, not two",
-            "strategy tp needs model tiny_gpt (it splits transformer layers), got simple_cnn",
+            "strategy tp needs model tiny_gpt, hf:llama, hf:gpt2 or one with a parallel_plan() "
+            "(it splits transformer layers), got simple_cnn",
             "precision fp16 needs backend deepspeed (its loss scaler); use bf16 or fp32 with "
             "backend torch",
         ],
