@@ -18,6 +18,14 @@ tempfile.tempdir = str(_scratch)
 import psutil  # noqa: E402
 import pytest  # noqa: E402
 
+from tests import lanes  # noqa: E402
+
+pytest_plugins = ["pytester"]  # tests/test_lanes.py runs pytest inside pytest
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(lanes, "nbpar-lanes")  # the pool/spawn markers, the guard
+
 
 def _cmdline(p) -> str:
     """A process's command line; "" once it has exited (a zombie waiting to be reaped

@@ -91,6 +91,7 @@ def test_zero_paper_7_5b_on_64_devices_mixed_precision():
     )
 
 
+@pytest.mark.spawn  # nbpar.simulate runs a pipeline layout in spawned processes
 def test_bytes_sent_match_theory():
     psi_bytes = _psi(SMALL) * 4
     for strategy in ("ddp", "zero1", "zero2", "zero3"):
@@ -122,6 +123,7 @@ def test_bytes_sent_match_theory():
     assert acts[0] > acts[1] > acts[2]
 
 
+@pytest.mark.spawn  # nbpar.simulate runs a pipeline layout in spawned processes
 def test_hybrid_roles_one_per_stage():
     sim = nbpar.simulate(
         nbpar.TrainConfig(
@@ -209,6 +211,7 @@ def test_cli_json_contract_and_fit(capsys):
     assert res["config"]["gpt"]["d_model"] == 64
 
 
+@pytest.mark.spawn  # nbpar.simulate runs a pipeline layout in spawned processes
 def test_cli_for_people_prints_tables(capsys):
     from nbpar.estimate import format_bytes
 
@@ -240,6 +243,7 @@ def test_cli_for_people_prints_tables(capsys):
     assert "refused: tp=8 must divide gpt.n_heads=4" in rows["tp"]
 
 
+@pytest.mark.spawn  # what_fits simulates pipeline layouts in spawned processes
 def test_what_fits_lists_strategies_with_margin():
     gpt = nbpar.GPTConfig(d_model=64, n_heads=4, n_layers=4, seq_len=16)
     cfg = nbpar.TrainConfig(gpt=gpt, micro_batch=2)

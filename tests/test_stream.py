@@ -114,6 +114,7 @@ def test_streaming_defaults_to_on_only_inside_a_kernel(ip, monkeypatch):
     assert LiveOutput({}).show is True
 
 
+@pytest.mark.spawn  # a real Jupyter kernel
 def test_in_a_jupyter_kernel_lines_stream_by_default():
     """A real kernel: the live area is display_data then update_display_data messages
     while the cell runs; it ends empty, followed by the grouped stream output."""
