@@ -61,6 +61,17 @@ def pool():
     p.shutdown()
 
 
+@pytest.fixture(scope="module")
+def ip():
+    """The test IPython shell, with nbpar's extension loaded (once per module)."""
+    from IPython import get_ipython as running_shell
+    from IPython.testing.globalipapp import get_ipython
+
+    shell = get_ipython() or running_shell()  # one test shell per session, whoever made it
+    shell.run_line_magic("load_ext", "nbpar")
+    return shell
+
+
 @pytest.fixture
 def half_precision(monkeypatch):
     """Pretend this host's CPU does (True) or does not (False) compute fp16 natively:
