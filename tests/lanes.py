@@ -13,7 +13,8 @@ and the functions and classes of tests/ that these name, followed all the way, s
 helper that spawns marks every test that reaches it. A test that starts processes only
 inside nbpar's own code is marked by hand (``@pytest.mark.spawn``).
 
-``make test-fast`` selects ``-m "not pool and not spawn and not browser"``. When a run
+``make test-fast`` selects ``-m "not pool and not spawn and not slow and not browser"``
+(slow: long tests in one process, marked by hand). When a run
 selects no test marked pool, spawn or browser, the guard is on for the whole run: starting
 a process (subprocess, multiprocessing, os.fork, posix_spawn, system) raises
 ProcessStartError, and the test that tried fails even if the code under test swallowed the
