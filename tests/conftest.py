@@ -24,7 +24,8 @@ pytest_plugins = ["pytester"]  # tests/test_lanes.py runs pytest inside pytest
 
 
 def pytest_configure(config):
-    config.pluginmanager.register(lanes, "nbpar-lanes")  # the pool/spawn markers, the guard
+    if not config.pluginmanager.is_registered(lanes):  # unless `-p tests.lanes` did
+        config.pluginmanager.register(lanes, "nbpar-lanes")  # the pool/spawn markers, the guard
 
 
 def _cmdline(p) -> str:
