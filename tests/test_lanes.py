@@ -4,6 +4,9 @@ helpers. Pytest runs inside pytest here (pytester, in this process: nothing is s
 
 from __future__ import annotations
 
+# the inner runs' guard imports matplotlib; pytester forgets the modules an inner run
+# imported first, and numpy cannot be imported twice in one process
+import matplotlib.font_manager  # noqa: F401
 import pytest
 
 from tests import lanes
