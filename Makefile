@@ -14,7 +14,7 @@ export TMPDIR := $(CURDIR)/.tmp
 export MPLBACKEND := Agg
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: setup test lint test-unit test-notebooks test-browser notebooks demo lab bench clean
+.PHONY: setup test lint test-fast test-unit test-notebooks test-browser notebooks demo lab bench clean
 
 setup: $(VENV)/.done
 
@@ -36,6 +36,14 @@ test: setup lint test-unit test-notebooks test-browser
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+
+# The quick lane (no engine pool, no subprocess): lint, then the tests marked neither pool
+# nor spawn (tests/lanes.py marks them) nor slow nor browser; a test in it that starts a
+# process fails. Under a minute on 2 cores. `make test` runs every test as before.
+test-fast: lint
+	@mkdir -p .tmp
+	$(PY) -m pytest -q -p no:randomly --timeout 120 \
+	    -m "not pool and not spawn and not slow and not browser" tests
 
 test-unit: setup
 	@mkdir -p .tmp

@@ -18,6 +18,15 @@ tempfile.tempdir = str(_scratch)
 import psutil  # noqa: E402
 import pytest  # noqa: E402
 
+from tests import lanes  # noqa: E402
+
+pytest_plugins = ["pytester"]  # tests/test_lanes.py runs pytest inside pytest
+
+
+def pytest_configure(config):
+    if not config.pluginmanager.is_registered(lanes):  # unless `-p tests.lanes` did
+        config.pluginmanager.register(lanes, "nbpar-lanes")  # the pool/spawn markers, the guard
+
 
 def _cmdline(p) -> str:
     """A process's command line; "" once it has exited (a zombie waiting to be reaped
@@ -51,6 +60,17 @@ def pool():
     p = nbpar.Pool(2, replace=False)
     yield p
     p.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ip():
+    """The test IPython shell, with nbpar's extension loaded (once per module)."""
+    from IPython import get_ipython as running_shell
+    from IPython.testing.globalipapp import get_ipython
+
+    shell = get_ipython() or running_shell()  # one test shell per session, whoever made it
+    shell.run_line_magic("load_ext", "nbpar")
+    return shell
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ def _exact(a, b):
 
 
 # ---- one process (strategy single) ------------------------------------------------
+@pytest.mark.slow  # 15 training steps, 3 checkpoints
 def test_layout_pruning_and_consolidate(tmp_path):
     ck = tmp_path / "ck"
     weights = {}
@@ -58,6 +59,7 @@ def test_layout_pruning_and_consolidate(tmp_path):
         torch.testing.assert_close(full[k], v, atol=0, rtol=0)
 
 
+@pytest.mark.slow  # 50 training steps
 def test_crash_mid_save_leaves_the_last_good_checkpoint(tmp_path, monkeypatch):
     ck = tmp_path / "ck"
     cfg = dict(**GPT, strategy="single", micro_batch=8, checkpoint_dir=str(ck), checkpoint_every=5)

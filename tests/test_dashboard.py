@@ -154,6 +154,7 @@ def test_a_diverged_loss_is_a_gap_not_invalid_json():
     assert dash.chart.chunk["cols"]["loss"][0][2] is None
 
 
+@pytest.mark.slow  # 4 s of real time
 def test_follow_thread_shows_data_within_a_second_and_then_every_second():
     run = FakeRun()
     dash = live(run)

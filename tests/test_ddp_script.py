@@ -62,7 +62,6 @@ def test_write_script_refuses_what_the_recipe_does_not_do(tmp_path, change, word
     assert not os.listdir(tmp_path)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_torchrun_script_ends_with_the_weights_of_nbpar_ddp(tmp_path):
     cfg = TrainConfig(**CFG)

@@ -7,21 +7,12 @@ import re
 import time
 
 import pytest
-from IPython import get_ipython as running_shell
-from IPython.testing.globalipapp import get_ipython
 
 from nbpar.errors import DistTimeout, PoolError
 
 pytestmark = pytest.mark.timeout(240)
 
 SETUP = "import time, torch, torch.distributed as dist\nt = torch.ones(3)\ndist.all_reduce(t)\n"
-
-
-@pytest.fixture(scope="module")
-def ip():
-    shell = get_ipython() or running_shell()  # the test shell, started once per session
-    shell.run_line_magic("load_ext", "nbpar")
-    return shell
 
 
 def hang(pool, code: str) -> DistTimeout:

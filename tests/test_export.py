@@ -164,6 +164,7 @@ def test_wandb_rows_one_row_per_step_every_rank_in_it():
     assert not any(k.endswith("tokens_per_s") for k in rows[0])  # None values are left out
 
 
+@pytest.mark.spawn  # wandb starts its wandb-core service
 def test_to_wandb_offline_writes_a_local_run(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")  # the monitor extra installs it
     for var in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):

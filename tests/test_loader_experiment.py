@@ -44,6 +44,7 @@ def test_loader_throughput_packed_beats_slow_decoding(tmp_path):
     assert packed_rate > slow_rate
 
 
+@pytest.mark.spawn  # DataLoader worker processes
 def test_loader_throughput_with_persistent_workers(tmp_path, monkeypatch):
     import time
     from types import SimpleNamespace

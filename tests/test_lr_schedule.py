@@ -57,6 +57,7 @@ SECTIONS = [
 ]
 
 
+@pytest.mark.spawn  # DeepSpeed's first look at its ops runs gcc (the libaio probe)
 @pytest.mark.parametrize("section", SECTIONS, ids=lambda s: s["type"])
 def test_schedule_equals_deepspeed_step_by_step(section):
     from nbpar.parallel.deepspeed import import_deepspeed

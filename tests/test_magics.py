@@ -5,20 +5,11 @@ from __future__ import annotations
 import time
 
 import pytest
-from IPython import get_ipython as running_shell
-from IPython.testing.globalipapp import get_ipython
 
 import nbpar
 from nbpar.errors import DistTimeout, PoolError, RankError
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture(scope="module")
-def ip():
-    shell = get_ipython() or running_shell()  # one test shell per session, whoever made it
-    shell.run_line_magic("load_ext", "nbpar")
-    return shell
 
 
 def test_dist_before_a_pool_exists_says_how_to_start_one(ip, monkeypatch):

@@ -63,7 +63,8 @@ def test_batched_read_equals_reads_one_by_one(stores):
             assert y[k] == ds[i][1]
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+# DataLoader workers are processes
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.spawn)])
 def test_loaders_over_files_and_hdf5_agree(stores, samples, workers):
     folder, path = stores
     kw = {"batch_size": 8, "num_workers": workers}
@@ -74,6 +75,7 @@ def test_loaders_over_files_and_hdf5_agree(stores, samples, workers):
     torch.testing.assert_close(xf, torch.from_numpy(samples[0]).float())
 
 
+@pytest.mark.spawn  # DataLoader workers
 @pytest.mark.parametrize("in_memory", [False, True])
 def test_block_sampler_reads_each_sample_once_in_contiguous_batches(stores, samples, in_memory):
     sampler = packed.BlockBatchSampler(len(samples[1]), batch_size=8, seed=0)

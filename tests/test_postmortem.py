@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from IPython import get_ipython as running_shell
-from IPython.testing.globalipapp import get_ipython
 
 from nbpar.errors import PoolError, RankError
 
@@ -16,13 +14,6 @@ FAILING = (
     "rank = dist.get_rank()\nsecret = 40 + rank\n"
     "if rank == 1:\n    scale('b', 3)\n"
 )
-
-
-@pytest.fixture(scope="module")
-def ip():
-    shell = get_ipython() or running_shell()  # the test shell, started once per session
-    shell.run_line_magic("load_ext", "nbpar")
-    return shell
 
 
 def typed(monkeypatch, *lines):

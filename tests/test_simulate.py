@@ -31,6 +31,7 @@ def _psi(gpt) -> int:
         return sum(p.numel() for p in TinyGPT(gpt).parameters())
 
 
+@pytest.mark.slow
 def test_model_states_match_the_estimate_for_every_data_parallel_strategy():
     psi = _psi(SMALL)
     for strategy in ("ddp", "zero1", "zero2", "zero3"):
@@ -49,6 +50,7 @@ def test_model_states_match_the_estimate_for_every_data_parallel_strategy():
         assert rank["peak_bytes"] > max(_states(rank), rank["activation_bytes"]) > 0
 
 
+@pytest.mark.slow  # a 13B model simulated op by op
 def test_13b_does_not_fit_one_device_the_fp32_table():
     """52 GB weights + 52 GB gradients + 104 GB Adam = 208 GB on one device."""
     gpt = nbpar.GPTConfig(d_model=5120, n_layers=41, n_heads=40, seq_len=16)  # 12.9B
@@ -62,6 +64,7 @@ def test_13b_does_not_fit_one_device_the_fp32_table():
     assert sim["fits"] is False and sim["margin_bytes"] < -100 * GB
 
 
+@pytest.mark.slow  # a 7.5B model simulated op by op, 4 strategies
 def test_zero_paper_7_5b_on_64_devices_mixed_precision():
     """ZeRO paper Fig. 1: 120 / 31.4 / 16.6 / 1.9 GB per device. torch holds what the
     paper assumes for baseline and P_os+g+p (16 bytes a parameter in all); it holds more
@@ -91,6 +94,7 @@ def test_zero_paper_7_5b_on_64_devices_mixed_precision():
     )
 
 
+@pytest.mark.spawn  # nbpar.simulate runs a pipeline layout in spawned processes
 def test_bytes_sent_match_theory():
     psi_bytes = _psi(SMALL) * 4
     for strategy in ("ddp", "zero1", "zero2", "zero3"):
@@ -122,6 +126,7 @@ def test_bytes_sent_match_theory():
     assert acts[0] > acts[1] > acts[2]
 
 
+@pytest.mark.spawn  # nbpar.simulate runs a pipeline layout in spawned processes
 def test_hybrid_roles_one_per_stage():
     sim = nbpar.simulate(
         nbpar.TrainConfig(
@@ -209,6 +214,7 @@ def test_cli_json_contract_and_fit(capsys):
     assert res["config"]["gpt"]["d_model"] == 64
 
 
+@pytest.mark.spawn  # nbpar.simulate runs a pipeline layout in spawned processes
 def test_cli_for_people_prints_tables(capsys):
     from nbpar.estimate import format_bytes
 
@@ -240,6 +246,7 @@ def test_cli_for_people_prints_tables(capsys):
     assert "refused: tp=8 must divide gpt.n_heads=4" in rows["tp"]
 
 
+@pytest.mark.spawn  # what_fits simulates pipeline layouts in spawned processes
 def test_what_fits_lists_strategies_with_margin():
     gpt = nbpar.GPTConfig(d_model=64, n_heads=4, n_layers=4, seq_len=16)
     cfg = nbpar.TrainConfig(gpt=gpt, micro_batch=2)
@@ -252,6 +259,7 @@ def test_what_fits_lists_strategies_with_margin():
     assert [r["fits"] for r in rows] == sorted((r["fits"] for r in rows), reverse=True)
 
 
+@pytest.mark.slow
 def test_process_left_as_found_and_a_real_run_follows(tmp_path):
     from nbpar.train.loop import run_training
 
@@ -270,6 +278,7 @@ def test_process_left_as_found_and_a_real_run_follows(tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_zero3_activations_are_those_of_ddp_once_fsdp_frees_gathered_weights():
     """What autograd saves is the same under DDP and FSDP2, plus the gathered weights of
     the block being worked on (FSDP2 re-gathers them for backward, and prefetches the

@@ -5,9 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from IPython import get_ipython as running_shell
 from IPython.core.displaypub import CapturingDisplayPublisher
-from IPython.testing.globalipapp import get_ipython
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -24,13 +22,6 @@ class TimedPublisher(CapturingDisplayPublisher):
     def publish(self, data, metadata=None, source=None, *, transient=None, update=False):
         super().publish(data, metadata, source, transient=transient, update=update)
         self.outputs[-1]["time"] = time.monotonic()
-
-
-@pytest.fixture(scope="module")
-def ip():
-    shell = get_ipython() or running_shell()  # the test shell, started once per session
-    shell.run_line_magic("load_ext", "nbpar")
-    return shell
 
 
 @pytest.fixture
@@ -114,6 +105,7 @@ def test_streaming_defaults_to_on_only_inside_a_kernel(ip, monkeypatch):
     assert LiveOutput({}).show is True
 
 
+@pytest.mark.spawn  # a real Jupyter kernel
 def test_in_a_jupyter_kernel_lines_stream_by_default():
     """A real kernel: the live area is display_data then update_display_data messages
     while the cell runs; it ends empty, followed by the grouped stream output."""

@@ -149,6 +149,7 @@ def test_batches_roll_over_into_a_reshuffled_epoch():
     assert not torch.equal(torch.cat(seen[:2]), torch.cat(seen[2:]))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_digits_training_runs_past_an_epoch():
     """More steps than one epoch holds: training continues on a reshuffled epoch."""

@@ -272,6 +272,7 @@ def test_single_runs_on_one_rank_and_train_errors_are_shown():
     assert picker.button.description == "Run"
 
 
+@pytest.mark.spawn  # FitPicker simulates pipeline layouts in spawned processes
 def test_fit_picker_lists_the_layouts_that_fit_with_their_margin():
     from nbpar import FitPicker
 
@@ -295,6 +296,7 @@ def test_fit_picker_lists_the_layouts_that_fit_with_their_margin():
     assert f"{len(fitting)} of {len(rows)} layouts fit 2 devices" in picker.result.value
 
 
+@pytest.mark.spawn  # FitPicker simulates pipeline layouts in spawned processes
 def test_fit_picker_says_what_is_wrong_in_one_line():
     from nbpar import FitPicker
 
