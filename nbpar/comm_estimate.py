@@ -6,7 +6,8 @@ Pure Python, like `nbpar.estimate`.
 
 from __future__ import annotations
 
-from nbpar.estimate import _choice, _int
+from nbpar.checks import positive_int
+from nbpar.estimate import _choice
 from nbpar.strategies import STRATEGIES, ZERO_STAGE
 
 
@@ -51,7 +52,7 @@ def comm_bytes_per_step(
       micro-batch; a first or last stage sends K tensors, a middle stage 2K.
     """
     _choice("strategy", strategy, STRATEGIES)
-    k = _int("grad_accum", grad_accum)
+    k = positive_int("grad_accum", grad_accum)
     ring = (dp - 1) / dp * param_bytes
     if strategy == "ddp":
         return 2 * ring

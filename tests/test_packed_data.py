@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from nbpar.model import packed
-from nbpar.view.teaching import SlowDataset
+from nbpar.model.loader_experiment import SlowDataset
 
 
 @pytest.fixture(scope="module")

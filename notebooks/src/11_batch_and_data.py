@@ -297,7 +297,7 @@ print("contiguous reads from the HDF5 file and the copy staged in RAM: each more
 
 # %%
 from nbpar.model.models import SimpleCNN
-from nbpar.view.teaching import SlowDataset
+from nbpar.model.loader_experiment import SlowDataset
 
 slow = SlowDataset(n=256, delay_s=0.01)
 decoded = [slow[i] for i in range(len(slow))]  # decode once ...
