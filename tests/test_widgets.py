@@ -314,3 +314,60 @@ def test_in_words_keeps_an_apostrophe_and_strips_quotes():
 
     said = in_words("DeepSpeed's pipeline engine runs only the 1f1b schedule, got 'gpipe'")
     assert said == "DeepSpeed's pipeline engine runs only the 1f1b schedule, got gpipe"
+
+
+@pytest.mark.parametrize(
+    "field, typed, problem",
+    [
+        ("world_size", 0, "devices must be a whole number of at least 1, got 0"),
+        ("world_size", -4, "devices must be a whole number of at least 1, got -4"),
+        ("device_memory_gb", -80.0, "GB per device must be more than 0, got -80"),
+        ("device_memory_gb", 0.0, "GB per device must be more than 0, got 0"),
+        ("micro_batch", 0, "micro-batch must be a whole number of at least 1, got 0"),
+    ],
+)
+def test_fit_picker_refuses_a_bad_number_and_keeps_it(field, typed, problem, monkeypatch):
+    from nbpar import FitPicker
+    from nbpar.simulate import fit
+
+    monkeypatch.setattr(fit, "_fit_row", lambda *a: pytest.fail("simulated a refused value"))
+    picker = FitPicker("tiny_gpt", world_size=2)
+    picker.fields[field].value = typed
+    assert picker.simulate() == []
+    assert picker.fields[field].value == typed  # what was typed stays
+    assert problem in picker.result.value
+
+
+def test_fit_picker_shows_each_row_as_its_layout_finishes(monkeypatch):
+    from nbpar import FitPicker
+    from nbpar.simulate import fit
+
+    seen = []
+    peaks = {"ddp": 3e9, "zero1": 2e9, "zero3": 0.5e9}
+
+    def row(c, world, gb):
+        seen.append(picker.result.value)  # what the page showed before this layout ran
+        peak = peaks[c.strategy]
+        fits = peak <= gb * 1e9
+        return dict(
+            strategy=c.strategy,
+            dp=world,
+            tp=1,
+            pp=1,
+            peak_bytes=peak,
+            fits=fits,
+            margin_bytes=gb * 1e9 - peak,
+        )
+
+    monkeypatch.setattr(fit, "_fit_row", row)
+    picker = FitPicker(
+        "tiny_gpt", world_size=2, device_memory_gb=1.0, strategies=("ddp", "zero1", "zero3")
+    )
+    rows = picker.simulate()
+    assert [r["strategy"] for r in rows] == ["zero3", "zero1", "ddp"]  # fits, then nearest
+    assert "simulating every strategy" in seen[0]
+    assert "ddp" in seen[1] and "simulating 2 more" in seen[1]
+    assert "simulating 1 more" in seen[2] and "zero1" in seen[2]
+    assert "1 of 3 layouts fit 2 devices of 1 GB" in picker.result.value
+    assert "more..." not in picker.result.value
+    assert "300%" in picker.result.value and "50%" in picker.result.value  # the bars

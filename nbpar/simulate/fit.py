@@ -30,31 +30,48 @@ def candidate_configs(cfg, world_size: int, strategies=DEFAULT_STRATEGIES) -> li
 
 
 def what_fits(
-    cfg, world_size: int, device_memory_gb: float, *, strategies=DEFAULT_STRATEGIES
+    cfg,
+    world_size: int,
+    device_memory_gb: float,
+    *,
+    strategies=DEFAULT_STRATEGIES,
+    on_row=None,
 ) -> list[dict]:
     """One row per layout, those that fit first, largest margin first: ``strategy``,
-    ``dp``, ``tp``, ``pp``, ``peak_bytes``, ``fits``, ``margin_bytes`` (or ``error``)."""
-    from nbpar.simulate.run import capacity_bytes, simulate
+    ``dp``, ``tp``, ``pp``, ``peak_bytes``, ``fits``, ``margin_bytes`` (or ``error``).
+    ``on_row(rows_so_far, total)`` is called as each layout's simulation ends."""
+    from nbpar.simulate.run import capacity_bytes
 
     capacity_bytes(device_memory_gb)
     rows = []
-    for c in candidate_configs(cfg, world_size, strategies):
-        row = {"strategy": c.strategy}
-        try:
-            sim = simulate(c, world_size, device_memory_gb=device_memory_gb)
-        except ValueError as err:
-            rows.append({**row, "fits": False, "error": str(err)})
-            continue
-        conf = sim["config"]
-        rows.append(
-            {
-                **row,
-                "dp": conf["dp"],
-                "tp": conf["tp"],
-                "pp": conf["pp"],
-                "peak_bytes": max(r["peak_bytes"] for r in sim["ranks"]),
-                "fits": sim["fits"],
-                "margin_bytes": sim["margin_bytes"],
-            }
-        )
+    candidates = candidate_configs(cfg, world_size, strategies)
+    for c in candidates:
+        rows.append(_fit_row(c, world_size, device_memory_gb))
+        if on_row is not None:
+            on_row(order(rows), len(candidates))
+    return order(rows)
+
+
+def _fit_row(c, world_size: int, device_memory_gb: float) -> dict:
+    """One layout's row: its degrees, simulated peak and margin, or why it cannot run."""
+    from nbpar.simulate.run import simulate
+
+    try:
+        sim = simulate(c, world_size, device_memory_gb=device_memory_gb)
+    except ValueError as err:
+        return {"strategy": c.strategy, "fits": False, "error": str(err)}
+    conf = sim["config"]
+    return {
+        "strategy": c.strategy,
+        "dp": conf["dp"],
+        "tp": conf["tp"],
+        "pp": conf["pp"],
+        "peak_bytes": max(r["peak_bytes"] for r in sim["ranks"]),
+        "fits": sim["fits"],
+        "margin_bytes": sim["margin_bytes"],
+    }
+
+
+def order(rows: list[dict]) -> list[dict]:
+    """Those that fit first, largest margin first; refused layouts last."""
     return sorted(rows, key=lambda r: (not r["fits"], -r.get("margin_bytes", -(2**62))))

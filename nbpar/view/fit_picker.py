@@ -19,31 +19,69 @@ _STYLE = {"description_width": "120px"}
 PRECISIONS = ("mixed", "bf16", "fp32")
 
 
-def fit_rows_html(rows: list[dict], world_size: int, device_gb: float) -> str:
-    """`what_fits` rows as an HTML table: fitting layouts first, each with its margin."""
-    head = (
-        "<tr><th>strategy</th><th>dp x tp x pp</th><th>peak per device</th>"
-        "<th>fits</th><th>margin or reason</th></tr>"
+_CELL = "padding:2px 10px;text-align:left"
+#: what each number box takes: field -> (label, whole number?)
+NUMBERS = {
+    "world_size": ("devices", True),
+    "device_memory_gb": ("GB per device", False),
+    "micro_batch": ("micro-batch", True),
+    "seq_len": ("sequence length", True),
+}
+
+
+def _bar(peak: int, capacity: float) -> str:
+    """The peak against the device's memory: a bar filled to peak / capacity (red when
+    over, drawn to the box's end then; the number beside it says by how much)."""
+    share = peak / capacity
+    colour = "#2a7" if share <= 1 else "#c33"
+    fill = f"{min(share, 1.0) * 100:.0f}%"
+    return (
+        f"<div style='width:120px;height:9px;background:#e5e5e5;display:inline-block'>"
+        f"<div style='width:{fill};height:9px;background:{colour}'></div></div> "
+        f"{share * 100:.0f}%"
     )
+
+
+def fit_rows_html(rows: list[dict], world_size: int, device_gb: float, pending: int = 0) -> str:
+    """`what_fits` rows as an HTML table: fitting layouts first, each with its margin and
+    a bar of its peak against the device; ``pending`` layouts are still simulating."""
+    names = ("strategy", "dp x tp x pp", "peak per device", "of the device", "fits", "margin")
+    head = "<tr>" + "".join(f"<th style='{_CELL}'>{n}</th>" for n in names) + "</tr>"
     body = []
     for r in rows:
         if "error" in r:
-            cells = [r["strategy"], "", "", "no", html.escape(r["error"])]
+            cells = [r["strategy"], "", "", "", "no", html.escape(r["error"])]
         else:
             cells = [
                 r["strategy"],
                 f"{r['dp']} x {r['tp']} x {r['pp']}",
                 format_bytes(r["peak_bytes"]),
+                _bar(r["peak_bytes"], device_gb * 1e9),
                 "yes" if r["fits"] else "no",
                 ("" if r["fits"] else "short by ") + format_bytes(abs(r["margin_bytes"])),
             ]
-        body.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+        body.append("<tr>" + "".join(f"<td style='{_CELL}'>{c}</td>" for c in cells) + "</tr>")
     fitting = sum(r["fits"] for r in rows)
     title = (
         f"<b>{fitting} of {len(rows)} layouts fit {world_size} devices of "
         f"{device_gb:g} GB</b> (simulated peaks)"
     )
-    return f"{title}<table>{head}{''.join(body)}</table>"
+    if pending:
+        title += f"; simulating {pending} more..."
+    return f"{title}<table style='border-collapse:collapse'>{head}{''.join(body)}</table>"
+
+
+def check_numbers(values: dict) -> list[str]:
+    """Why the number boxes' values cannot be simulated, in the labels' words ([] when
+    they can). Nothing is changed: a refused value stays as typed."""
+    problems = []
+    for field, (label, whole) in NUMBERS.items():
+        v = values[field]
+        if whole and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            problems.append(f"{label} must be a whole number of at least 1, got {v}")
+        elif not whole and not v > 0:
+            problems.append(f"{label} must be more than 0, got {v:g}")
+    return problems
 
 
 class FitPicker:
@@ -76,28 +114,20 @@ class FitPicker:
                 placeholder='{"hidden_size": 4096, ...}',
                 style=_STYLE,
             ),
-            "world_size": w.BoundedIntText(
-                value=world_size, min=1, max=1 << 20, description="devices", style=_STYLE
+            # unbounded boxes: a bounded one silently changes 0 devices into 1
+            "world_size": w.IntText(value=world_size, description="devices", style=_STYLE),
+            "device_memory_gb": w.FloatText(
+                value=device_memory_gb, description="GB per device", style=_STYLE
             ),
-            "device_memory_gb": w.BoundedFloatText(
-                value=device_memory_gb,
-                min=0.001,
-                max=1e6,
-                description="GB per device",
-                style=_STYLE,
-            ),
-            "micro_batch": w.BoundedIntText(
-                value=micro_batch, min=1, max=1 << 16, description="micro-batch", style=_STYLE
-            ),
-            "seq_len": w.BoundedIntText(
-                value=seq_len, min=1, max=1 << 20, description="sequence length", style=_STYLE
-            ),
+            "micro_batch": w.IntText(value=micro_batch, description="micro-batch", style=_STYLE),
+            "seq_len": w.IntText(value=seq_len, description="sequence length", style=_STYLE),
             "precision": w.Dropdown(
                 options=PRECISIONS, value=precision, description="precision", style=_STYLE
             ),
             "strategies": w.SelectMultiple(
                 options=DEFAULT_STRATEGIES,
                 value=tuple(strategies or DEFAULT_STRATEGIES),
+                rows=len(DEFAULT_STRATEGIES),  # every option in view, chosen ones too
                 description="strategies",
                 style=_STYLE,
             ),
@@ -126,13 +156,26 @@ class FitPicker:
 
         world = self.fields["world_size"].value
         device_gb = self.fields["device_memory_gb"].value
+        problems = check_numbers({k: self.fields[k].value for k in NUMBERS})
+        if problems:  # refused as typed: nothing simulated, nothing changed
+            self.rows = []
+            self.result.value = "<br>".join(
+                f"<span style='color:#b00'>{html.escape(p)}</span>" for p in problems
+            )
+            return self.rows
         self.button.disabled = True
         self.result.value = f"simulating every strategy on {world} fake ranks..."
+
+        def show(rows, total):
+            self.result.value = fit_rows_html(rows, world, device_gb, pending=total - len(rows))
+
         try:
             strategies = self.fields["strategies"].value
             if not strategies:
                 raise ValueError("choose at least one strategy")
-            self.rows = what_fits(self.config(), world, device_gb, strategies=strategies)
+            self.rows = what_fits(
+                self.config(), world, device_gb, strategies=strategies, on_row=show
+            )
             reasons = {r.get("error") for r in self.rows}
             if len(reasons) == 1 and None not in reasons:  # the model itself, not a layout
                 raise ValueError(reasons.pop())
