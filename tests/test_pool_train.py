@@ -54,6 +54,28 @@ def test_history_streams_while_training_and_stop_is_clean(pool):
     assert pool.run(lambda: 1) == [1, 1]
 
 
+def test_a_busy_pool_names_the_run_that_holds_it(pool):
+    """A second run or a cell while a run trains is refused at once, naming the run and
+    how to free the ranks (never queued silently behind it, never 'restart' first)."""
+    long = nbpar.TrainConfig(model="tiny_gpt", strategy="ddp", micro_batch=4, steps=10_000)
+    run = pool.train(long)
+    try:
+        while not run.history:
+            time.sleep(0.1)
+        with pytest.raises(nbpar.PoolError) as second:
+            pool.train(nbpar.TrainConfig(model="tiny_gpt", strategy="ddp", steps=2))
+        said = str(second.value)
+        assert "rank(s) [0, 1] are training <nbpar.Run ddp/torch tiny_gpt" in said
+        assert "a new run starts when it ends" in said and "run.stop()" in said
+        with pytest.raises(nbpar.PoolError, match="a cell starts when it ends.*would end it"):
+            pool.execute("x = 1")
+    finally:
+        run.stop()
+        run.wait(timeout=120)
+    assert repr(run).endswith("steps, stopped>")
+    assert len(pool.train(nbpar.TrainConfig(model="tiny_gpt", steps=2)).result()["losses"]) == 2
+
+
 def test_bad_config_is_refused_before_any_engine_works(pool):
     with pytest.raises(ValueError, match="micro_batch"):
         pool.train(nbpar.TrainConfig(micro_batch=0))

@@ -221,10 +221,7 @@ def run_cell(
     """
     busy = pool.busy_ranks(ranks)
     if busy:
-        raise PoolError(
-            f"rank(s) {busy} are still running an earlier cell (maybe stuck in a "
-            f"collective): wait for it, or run `%dist restart`"
-        )
+        raise PoolError(pool.busy_message(busy, "a cell"))
     dead = [r for r in pool.dead_ranks() if r in ranks]
     if dead:
         raise EngineDied(f"the engine of rank(s) {dead} is dead: run `%dist restart`", dead)

@@ -207,6 +207,7 @@ class Pool:
         if self.owned:
             self._engine_ids = self._sets.replace(self.client, self.start_timeout)
             self._inflight.clear()  # requests of killed engines
+            self._holders.clear()
         self._rendezvous()
         self.failed_ranks = set()
         if self.auto_restart:
@@ -287,6 +288,7 @@ class Pool:
 
     def _init_requests(self) -> None:
         self._inflight: dict = {}  # rank -> the AsyncResult of its latest cell or run
+        self._holders: dict = {}  # rank -> the training run its latest request belongs to
         self._views: dict = {}  # (engine ids, ranks) -> DirectView
         self.failed_ranks: set[int] = set()  # ranks of the last failed cell (%dist debug)
         self._store: tuple = (None, None)  # ((addr, port), the kernel's store connection)
@@ -295,9 +297,27 @@ class Pool:
         """Remember the ranks whose cell raised last: their tracebacks can be debugged."""
         self.failed_ranks = set(ranks)
 
-    def track(self, ars: dict) -> None:
-        """Remember ``ars`` (rank -> AsyncResult) as what each rank is running now."""
+    def track(self, ars: dict, run=None) -> None:
+        """Remember ``ars`` (rank -> AsyncResult) as what each rank is running now, and
+        the training ``run`` they belong to (None: a cell)."""
         self._inflight.update(ars)
+        for r in ars:
+            self._holders[r] = run
+
+    def busy_message(self, busy: list[int], asked: str) -> str:
+        """Why ``busy`` ranks cannot take ``asked`` now, and what to do: the training run
+        that holds them (stop or wait for it: a restart would end it), or a cell."""
+        run = next((self._holders[r] for r in busy if self._holders.get(r) is not None), None)
+        if run is None:
+            return (
+                f"rank(s) {busy} are still running an earlier cell (maybe stuck in a "
+                f"collective): wait for it, or run `%dist restart`"
+            )
+        return (
+            f"rank(s) {busy} are training {run!r}: {asked} starts when it ends; "
+            f"wait for it (run.wait()) or stop it (run.stop(), or the picker's Stop); "
+            f"`%dist restart` would end it"
+        )
 
     def busy_ranks(self, ranks=None) -> list[int]:
         """Ranks still running a cell or a run that this pool started."""

@@ -83,7 +83,7 @@ class Run:
             )
             for r in ranks
         }
-        pool.track(self._ars)
+        pool.track(self._ars, run=self)
 
     # -- live state ----------------------------------------------------------
     def done(self) -> bool:
@@ -208,9 +208,14 @@ def checked_config(cfg, world: int):
 
 def launch(pool, checked) -> Run:
     """Start a run of a config `checked_config` passed for this pool."""
+    from nbpar.errors import PoolError
     from nbpar.strategies import engines_for
 
-    return Run(pool, checked, list(range(engines_for(checked.strategy, pool.n))))
+    ranks = list(range(engines_for(checked.strategy, pool.n)))
+    busy = pool.busy_ranks(ranks)
+    if busy:  # queued behind it silently, it would sit at "starting..." for the whole run
+        raise PoolError(pool.busy_message(busy, "a new run"))
+    return Run(pool, checked, ranks)
 
 
 def start_run(pool, cfg=None, **overrides) -> Run:
