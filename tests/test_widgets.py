@@ -371,3 +371,11 @@ def test_fit_picker_shows_each_row_as_its_layout_finishes(monkeypatch):
     assert "1 of 3 layouts fit 2 devices of 1 GB" in picker.result.value
     assert "more..." not in picker.result.value
     assert "300%" in picker.result.value and "50%" in picker.result.value  # the bars
+
+
+def test_global_batch_line_shows_no_product_of_a_refused_size():
+    picker = StrategyPicker(FakePool(2), background=False)
+    _set(picker, micro_batch="-1")
+    assert picker.global_batch_text().endswith("= ? (see below)")
+    _set(picker, micro_batch="4")
+    assert picker.global_batch_text().endswith("= 4 × 1 × 2 = 8")

@@ -16,6 +16,7 @@ import html
 import traitlets
 
 from nbpar import config as C
+from nbpar.checks import positive_int
 from nbpar.strategies import engines_for, settable_degrees
 from nbpar.view import picker_rules as R
 from nbpar.view.picker_rules import model_options
@@ -197,6 +198,8 @@ class StrategyPicker:
         try:
             cfg = self.config()
             dp = cfg.dims(self.world_size(cfg.strategy)).dp
+            for name in ("micro_batch", "grad_accum"):  # no product of a refused size
+                positive_int(name, getattr(cfg, name))
         except ValueError:
             return f"{head} = ? (see below)"
         return (
