@@ -309,6 +309,7 @@ def _human_train(out: dict) -> str:
         f"{cfg['strategy']}/{cfg['backend']} {cfg['model']}: {len(out['losses'])} steps, "
         f"final loss {out['losses'][-1]:.4f}, step {out['step_time_s'] * 1e3:.1f} ms, {comm}"
         + ("" if out.get("bubble_fraction") is None else f", bubble {out['bubble_fraction']:.0%}"),
+        *([out["timing_note"]] if out.get("timing_note") else []),
         f"{'rank':>4} {'params':>10} {'grads':>10} {'optimizer':>10} {'activations':>11} "
         f"{'peak':>10} {'process':>10} {'sent/step':>10}",
     ]

@@ -65,6 +65,17 @@ class StepRecord(_StepRequired, total=False):
     memory_error: str  # why the memory meter could not follow the step (instead of both)
 
 
+class MachineUsage(TypedDict):
+    """What this rank's host did over its steps (`nbpar.measure.machine.usage`)."""
+
+    host: str  # the host's name
+    cores: int  # the host's CPU cores
+    threads: int  # torch's intra-op threads in this rank's process
+    wall_s: float  # wall seconds from the first step's start to the last step's end
+    cpu_s: float  # CPU seconds this rank's process got in that time
+    host_busy_s: float  # CPU seconds the whole host was busy in that time
+
+
 class RankResult(_Ranked, ModelStates):
     """What `nbpar.train.loop.run_training` returns on one rank (model states: last step's)."""
 
@@ -88,6 +99,7 @@ class RankResult(_Ranked, ModelStates):
     bubble_fraction: float | None  # pipeline: measured idle share of the pp ranks
     schedule_bubble_fraction: float | None  # pipeline: the part its schedule forces
     history: list[StepRecord]  # every step record of this rank, in step order
+    machine: MachineUsage  # the host over the steps: the timings' verdict reads it
 
 
 class ResultRank(_Ranked, ModelStates):

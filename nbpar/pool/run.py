@@ -138,6 +138,7 @@ class Run:
         exposed = measured("exposed_comm_fraction")
         waits = measured("comm_wait_fraction")
         bubbles, forced = measured("bubble_fraction"), measured("schedule_bubble_fraction")
+        reliable, note = self.timing_verdict()
         return RunResult(
             {
                 "config": self.cfg.to_dict(),
@@ -149,7 +150,28 @@ class Run:
                 "comm_wait_fraction": statistics.mean(waits) if waits else None,
                 "bubble_fraction": max(bubbles) if bubbles else None,
                 "schedule_bubble_fraction": max(forced) if forced else None,
+                # whether the time figures above can be trusted on this machine, and why
+                "timing_reliable": reliable,
+                "timing_note": note,
             }
+        )
+
+    def timing_verdict(self) -> tuple[bool, str]:
+        """(reliable, one line why) for this run's time figures (`nbpar.measure.machine`):
+        the hosts' state over the steps, and the spread of each rank's normal steps
+        (after the two with one-off set-up, the metered ones left out)."""
+        from nbpar.measure.machine import step_spread, timing_verdict
+
+        res = self.per_rank()
+        spreads = [
+            step_spread(
+                [s["step_time_s"] for s in res[r]["history"][2:] if not s.get("comm_metered")]
+            )
+            for r in self.ranks
+        ]
+        spreads = [s for s in spreads if s is not None]
+        return timing_verdict(
+            [res[r]["machine"] for r in self.ranks], max(spreads) if spreads else None
         )
 
     def estimate(self):

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from nbpar import device
 from nbpar.config import TrainConfig
+from nbpar.measure import machine
 from nbpar.measure.comm import CommMeter, exchange_launches
 from nbpar.measure.memtrack import StepMemory
 from nbpar.measure.metrics import CommTimer, memory_snapshot, step_peak_bytes
@@ -144,6 +145,7 @@ def _loop(cfg, runner, batches, ctx: RankContext, publish, should_stop, start) -
     device.reset_peak(ctx.backend)
     history: list[StepRecord] = []
     comm = None  # the latest metered step's meter
+    clocks = machine.snapshot()  # what the host did over the steps: the timings' verdict
     for step in range(start, cfg.steps):
         if should_stop is not None and _agree_to_stop(should_stop, ctx):
             break
@@ -155,7 +157,8 @@ def _loop(cfg, runner, batches, ctx: RankContext, publish, should_stop, start) -
             publish(dict(record))
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             checkpoint.save(cfg, runner, step + 1, batches.position(), ctx)
-    return _summary(history, runner, ctx, comm)
+    usage = machine.usage(clocks, torch.get_num_threads())
+    return {**_summary(history, runner, ctx, comm), "machine": usage}
 
 
 def _step(cfg, runner, batches, ctx: RankContext, timer: CommTimer, step: int, start: int):
