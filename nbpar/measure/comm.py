@@ -347,8 +347,15 @@ class CommMeter(TorchDispatchMode):
         return uncovered_s(self._transfers(), self._compute)
 
     def wait_s(self) -> float:
-        """Exposed seconds in which every op in flight still waited for a rank to join."""
-        return max(0.0, self.exposed_comm_s() - self.exposed_transfer_s())
+        """Exposed seconds in which every op in flight still waited for a rank to join:
+        the ops' intervals before their last rank launched them, less what compute or
+        another op's transfer covered (measured on its own, so wait + transfer = exposed
+        is a check, not a definition)."""
+        waits = [
+            (a, max(a, min(b, self._ready.get(id(iv), a))))
+            for iv, (a, b) in zip(self._flight, self._intervals())
+        ]
+        return uncovered_s(waits, [*self._compute, *self._transfers()])
 
     def total(self) -> int:
         return int(round(sum(self.bytes_by_op.values())))
