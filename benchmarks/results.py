@@ -4,6 +4,7 @@ Every benchmark collects its figures in a `Recorder` and ends with ``save()``, w
 writes ``results/<name>.json``:
 
     {"name", "title", "method", "date" (UTC ISO), "cpu_model", "cores", "torch",
+     "commit" (the checkout's HEAD, "+dirty" when nbpar/ or benchmarks/ had changes),
      "load_avg": {"start", "end"} (1-minute load average of the machine),
      "seconds" (the benchmark's run time), "repeats", "config", "notes",
      "figures": [{"label", "unit", "median", "min", "max", "n", "values", "target",
@@ -136,8 +137,24 @@ def meets(value: float, target: str | None) -> bool | None:
     return _OPS[op](value, float(bound))
 
 
+def commit(root: Path = RESULTS.parent.parent) -> str | None:
+    """The commit the measured code is at: HEAD, "+dirty" when nbpar/ or benchmarks/
+    differ from it (None outside a git checkout)."""
+    import subprocess
+
+    def git(*args):
+        out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    head = git("rev-parse", "HEAD")
+    if head is None:
+        return None
+    dirty = git("status", "--porcelain", "--", "nbpar", "benchmarks", ":!benchmarks/results")
+    return head + ("+dirty" if dirty else "")
+
+
 def environment() -> dict:
-    """Date (UTC), CPU model, core count and torch version of this machine."""
+    """Date (UTC), commit, CPU model, core count and torch version of this machine."""
     import torch
 
     from nbpar.device import cpu_model
@@ -145,6 +162,7 @@ def environment() -> dict:
     now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
     return {
         "date": now.isoformat(),
+        "commit": commit(),
         "cpu_model": cpu_model(),
         "cores": os.cpu_count(),
         "torch": torch.__version__,

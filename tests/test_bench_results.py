@@ -164,3 +164,17 @@ def test_generated_rows_have_six_cells():
     assert rows
     for line in rows:
         assert line.replace("\\|", "").count("|") == 7, line
+
+
+@pytest.mark.spawn  # asks git
+def test_a_new_results_file_records_the_commit_it_measured(tmp_path):
+    import subprocess
+
+    rec = results.Recorder("probe", "a probe", "counted", repeats=1)
+    rec.figure("x", [1.0, 2.0, 3.0], unit="s")
+    rec.row(x=1.0)
+    data = json.loads(rec.save(tmp_path).read_text())
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    assert data["commit"] in (head, head + "+dirty")
