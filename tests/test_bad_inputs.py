@@ -86,6 +86,19 @@ CONFIG_CASES = [
         ),
         "floppy",
     ),
+    (  # a style DeepSpeed's own examples use; it asserted deep inside DeepSpeed
+        dict(
+            backend="deepspeed",
+            strategy="zero2",
+            precision="bf16",
+            offload="optimizer",
+            deepspeed_config={
+                "bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
+                "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+            },
+        ),
+        "bf16.bf16_master_weights_and_grads.*DeepSpeedCPUAdam.*remove",
+    ),
 ]
 
 

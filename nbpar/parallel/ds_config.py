@@ -240,6 +240,14 @@ def _agree(d: dict, key: str, want, label: str) -> None:
     d[key] = want
 
 
+#: half-precision master weights / optimizer states: DeepSpeed needs DeepSpeedCPUAdam
+_LOW_MASTERS = (
+    "fp16_master_weights_and_grads",
+    "bf16_master_weights_and_grads",
+    "bf16_optimizer_states",
+)
+
+
 def _precision(d: dict, precision: str) -> None:
     if isinstance(d.get("amp"), dict) and d["amp"].get("enabled"):
         raise ValueError(
@@ -248,6 +256,13 @@ def _precision(d: dict, precision: str) -> None:
         )
     for name in ("fp16", "bf16", "bfloat16"):
         sec = d.get(name)
+        lowered = [k for k in _LOW_MASTERS if isinstance(sec, dict) and sec.get(k) is True]
+        if lowered:  # DeepSpeed asserts deep inside initialize otherwise
+            raise ValueError(
+                f"deepspeed_config sets {name}.{lowered[0]}, which DeepSpeed runs only with "
+                f"its compiled DeepSpeedCPUAdam under ZeRO offload; nbpar runs torch's Adam "
+                f"(nothing to compile) with fp32 master weights: remove {lowered[0]}"
+            )
         if isinstance(sec, dict) and sec.get("enabled") == "auto":
             sec["enabled"] = ("bf16" if name == "bfloat16" else name) == precision
     have = _precision_of(d)
