@@ -323,3 +323,20 @@ def test_loss_difference_figure_plots_both_curves_and_their_difference():
     assert right.get_ylabel() == "tp=2 minus single"
     with pytest.raises(ValueError, match="same length"):
         plot_loss_difference(run, ref[:2])
+
+
+def test_the_pace_ignores_a_metered_spike_and_a_finished_run_says_its_average():
+    from nbpar.view.dashboard import seconds_per_step
+
+    def records(gaps):
+        t, out = 100.0, []
+        for step, gap in enumerate(gaps):
+            t += gap
+            out.append({"step": step, "rank": 0, "time": t, "step_time_s": gap})
+        return out
+
+    steady = records([0.1] * 25)
+    spiked = records([0.1] * 12 + [1.0] + [0.1] * 12)  # a metered step, ten times slower
+    assert seconds_per_step(spiked) == pytest.approx(seconds_per_step(steady))
+    # the whole run's mean: 24 gaps, one of them 1.0 s
+    assert seconds_per_step(spiked, average=True) == pytest.approx((23 * 0.1 + 1.0) / 24)

@@ -27,15 +27,21 @@ def format_seconds(s: float) -> str:
     return f"{int(s // 3600)} h {int(s % 3600 // 60):02d} min"
 
 
-def seconds_per_step(history: list[dict], window: int = 10, groups=None) -> float | None:
-    """Recent wall time per step of the slowest rank (step time when no timestamps)."""
+def seconds_per_step(
+    history: list[dict], window: int = 30, groups=None, *, average: bool = False
+) -> float | None:
+    """Wall seconds per step of the slowest rank: the median gap between its last
+    ``window`` steps (a metered step, several times slower, hardly moves it, so an ETA
+    does not jump), or with ``average`` the mean over the whole run (what a finished run
+    took a step). Step time where the records carry no timestamps."""
     groups = by_rank(history) if groups is None else groups
     rates = []
     for recs in groups.values():
-        recent = recs[-window:]
+        recent = recs if average else recs[-(window + 1) :]
         stamps = [r["time"] for r in recent if r.get("time") is not None]
         if len(stamps) >= 2 and stamps[-1] > stamps[0]:
-            rates.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+            gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+            rates.append(statistics.fmean(gaps) if average else statistics.median(gaps))
         elif recent:
             rates.append(statistics.fmean(r.get("step_time_s") or 0.0 for r in recent))
     return max(rates) if rates else None
@@ -97,7 +103,7 @@ class Dashboard:
         groups = by_rank(history) if groups is None else groups
         n = min((len(v) for v in groups.values()), default=0)
         total = self.total_steps()
-        rate = seconds_per_step(history, groups=groups)
+        rate = seconds_per_step(history, groups=groups, average=done)
         eta = rate * (total - n) if rate is not None and total is not None else None
         of = f"{n}/{total}" if total else f"{n}"
         pace = f" · {rate:.3g} s/step" if rate else ""
