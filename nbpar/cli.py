@@ -10,12 +10,8 @@ import argparse
 import json
 import sys
 
-from nbpar.errors import PoolError, RankError
+from nbpar.errors import PoolError, RankError, UsageError
 from nbpar.strategies import BACKENDS, SCHEDULES, STRATEGIES, engines_for
-
-
-class UsageError(Exception):
-    """Bad arguments: reported as one line, exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):

@@ -12,6 +12,11 @@ class Said:
         return [f"{type(self).__name__}: {lines[0]}", *lines[1:]]
 
 
+class UsageError(Said, ValueError):
+    """A call, magic line or command line that cannot run as written: an unknown
+    command, a bad flag, a rank that does not exist (the CLI exits 2 with it)."""
+
+
 class PoolError(Said, RuntimeError):
     """The pool cannot do what was asked (not started, shut down, busy)."""
 

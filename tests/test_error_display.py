@@ -74,3 +74,12 @@ def test_the_cli_says_a_failed_run_in_one_line(monkeypatch, capsys):
     out = capsys.readouterr()
     assert out.out == ""
     assert out.err.splitlines() == ["nbpar: RankError: RuntimeError on rank 0: boom"]
+
+
+def test_a_magic_used_wrongly_says_so_in_one_line(shell, capsys):
+    shell.run_line_magic("load_ext", "nbpar")
+    lines = shown(shell, capsys, "%dist frobnicate")
+    assert lines == [
+        "UsageError: %dist: unknown command 'frobnicate'; use status, start [N], restart, "
+        "shutdown, doctor or debug N"
+    ]

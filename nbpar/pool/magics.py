@@ -11,10 +11,12 @@ import shlex
 
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
+from nbpar.errors import UsageError
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
-        raise ValueError(f"{self.prog}: {message}")
+        raise UsageError(f"{self.prog}: {message}")
 
 
 def _cell_parser() -> _Parser:
@@ -55,7 +57,7 @@ class DistMagics(Magics):
 
         args = _cell_parser().parse_args(shlex.split(line))
         if args.timeout is not None and args.timeout <= 0:
-            raise ValueError(f"%%dist: --timeout must be positive, got {args.timeout:g}")
+            raise UsageError(f"%%dist: --timeout must be positive, got {args.timeout:g}")
         pool = pool_mod.current()
         shown = [0] if args.rank0 else None
         result = pool.execute(
@@ -79,7 +81,7 @@ class DistMagics(Magics):
             self.shell.user_ns.setdefault("pool", pool)
             return pool
         if cmd not in ("status", "restart", "shutdown", "doctor", "debug"):
-            raise ValueError(
+            raise UsageError(
                 f"%dist: unknown command {cmd!r}; use status, start [N], "
                 f"restart, shutdown, doctor or debug N"
             )

@@ -11,7 +11,7 @@ import atexit
 import weakref
 
 from nbpar import device
-from nbpar.errors import PoolError
+from nbpar.errors import PoolError, UsageError
 from nbpar.pool import startup
 from nbpar.pool.launchers import check_launcher
 
@@ -244,7 +244,7 @@ class Pool:
                 try:
                     out.extend(range(int(lo), int(hi or lo) + 1))
                 except ValueError:
-                    raise ValueError(
+                    raise UsageError(
                         f"--targets must look like '0,1' or '0-3', got {targets!r}"
                     ) from None
             targets = out
@@ -252,7 +252,7 @@ class Pool:
             targets = [targets]
         bad = [r for r in targets if not isinstance(r, int) or not 0 <= r < self.n]
         if bad or not targets:
-            raise ValueError(
+            raise UsageError(
                 f"rank(s) {bad or targets} do not exist: this pool has ranks 0..{self.n - 1}"
             )
         return sorted(set(targets))

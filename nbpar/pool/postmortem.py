@@ -10,7 +10,7 @@ engine's next work, so they are refused: a post-mortem looks, it does not resume
 
 from __future__ import annotations
 
-from nbpar.errors import PoolError
+from nbpar.errors import PoolError, UsageError
 
 #: Commands that end the session.
 END = {"q", "quit", "exit", "c", "cont", "continue", "EOF"}
@@ -81,11 +81,11 @@ def close_on_engine() -> None:
 def check_rank(pool, words) -> int:
     """The rank ``%dist debug`` names, if it has a failure to look at (else one line)."""
     if len(words) != 1:
-        raise ValueError("%dist debug: name one rank, e.g. `%dist debug 1`")
+        raise UsageError("%dist debug: name one rank, e.g. `%dist debug 1`")
     try:
         rank = int(words[0])
     except ValueError:
-        raise ValueError(f"%dist debug: rank must be a number, got {words[0]!r}") from None
+        raise UsageError(f"%dist debug: rank must be a number, got {words[0]!r}") from None
     pool.ranks([rank])  # "rank(s) [5] do not exist: this pool has ranks 0..1"
     if rank not in pool.failed_ranks:
         why = (
