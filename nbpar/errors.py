@@ -17,6 +17,11 @@ class UsageError(Said, ValueError):
     command, a bad flag, a rank that does not exist (the CLI exits 2 with it)."""
 
 
+class Interrupted(Said, KeyboardInterrupt):
+    """The cell or run was interrupted (the stop button, Ctrl-C); the message says what
+    the ranks did about it, instead of the polling loop the interrupt landed in."""
+
+
 class PoolError(Said, RuntimeError):
     """The pool cannot do what was asked (not started, shut down, busy)."""
 

@@ -11,7 +11,7 @@ import signal
 import sys
 import time
 
-from nbpar.errors import DistTimeout, EngineDied, PoolError, RankError
+from nbpar.errors import DistTimeout, EngineDied, Interrupted, PoolError, RankError
 from nbpar.pool.stream import LiveOutput
 from nbpar.pool.stream import metadata_of as _metadata
 
@@ -119,9 +119,15 @@ def wait_all(
             # one wake-up when everything is done (``whole``: the AsyncResult of all ranks)
             (whole if whole is not None else ars[pending[0]]).wait(0.1)
     except KeyboardInterrupt:
-        if interruptible:
-            interrupt(pool, [r for r, ar in ars.items() if not ar.ready()], ars)
-        raise
+        running = [r for r, ar in ars.items() if not ar.ready()]
+        if not interruptible:
+            raise
+        interrupt(pool, running, ars)
+        raise Interrupted(
+            f"rank(s) {running} were sent the interrupt (SIGINT)"
+            if running
+            else "nothing was running on the ranks"
+        ) from None
     if not failed:
         return
     dead = [r for r in failed if r in pool.dead_ranks()]
