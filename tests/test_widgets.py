@@ -379,3 +379,12 @@ def test_global_batch_line_shows_no_product_of_a_refused_size():
     assert picker.global_batch_text().endswith("= ? (see below)")
     _set(picker, micro_batch="4")
     assert picker.global_batch_text().endswith("= 4 × 1 × 2 = 8")
+
+
+def test_hybrid_advice_keeps_the_degree_the_user_chose():
+    from nbpar.view.picker_rules import hybrid_layout
+
+    values = dict(model="tiny_gpt", micro_batch=8, grad_accum=2, steps=20)
+    assert hybrid_layout(values, 8) == {"dp": 2, "tp": 2, "pp": 2}  # nothing chosen
+    assert hybrid_layout({**values, "tp": 4, "pp": 4}, 8)["tp"] == 4  # 4 x 4 > 8: keep tp
+    assert hybrid_layout({**values, "dp": 8, "pp": 2}, 8)["pp"] == 2  # 8 x 2 > 8: keep pp

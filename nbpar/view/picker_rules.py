@@ -109,14 +109,20 @@ def degree_triples(n: int):
 
 
 def hybrid_layout(values: dict, world: int) -> dict | None:
-    """A hybrid layout that `validate` accepts on ``world`` engines for this model, or None."""
+    """A hybrid layout that `validate` accepts on ``world`` engines for this model, or None;
+    of those, one that keeps most of the degrees the user chose."""
+    chosen = {k: values[k] for k in DEGREES if values.get(k)}
+    triples = sorted(  # stable: the usual order among those that keep as many
+        degree_triples(world),
+        key=lambda t: -sum(chosen.get(k) == v for k, v in zip(DEGREES, t)),
+    )
     base = {
         **values,
         **{k: NEUTRAL[k] for k in ("offload", "precision", "backend")},
         "strategy": "hybrid",
         "schedule": "gpipe",
     }
-    for dp, tp, pp in degree_triples(world):
+    for dp, tp, pp in triples:
         try:
             C.TrainConfig.from_dict({**base, "dp": dp, "tp": tp, "pp": pp}).validate(world)
         except ConfigError:
