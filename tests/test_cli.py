@@ -126,5 +126,6 @@ def test_train_for_people_shows_progress_and_a_table():
         "process",
         "sent/step",
     ]
-    assert [line.split()[0] for line in lines[2:]] == ["0", "1"]
+    assert [line.split()[0] for line in lines[2:4]] == ["0", "1"]
+    assert lines[4].startswith("timings ") and lines[4].endswith("memory and bytes are exact")
     assert "4/4" in out.stderr and "100%" in out.stderr  # the progress bar, on stderr
