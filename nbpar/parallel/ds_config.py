@@ -16,7 +16,7 @@ import copy
 import difflib
 import json
 
-from nbpar.parallel.ds_keys import TOP_LEVEL_KEYS, ZERO_KEYS
+from nbpar.parallel.ds_keys import TOP_LEVEL_KEYS, ZERO_KEYS, check_half_masters
 from nbpar.strategies import PIPELINED, ZERO_STAGE
 
 OFFLOAD_DEVICES = ("cpu", "nvme", "none")
@@ -240,14 +240,6 @@ def _agree(d: dict, key: str, want, label: str) -> None:
     d[key] = want
 
 
-#: half-precision master weights / optimizer states: DeepSpeed needs DeepSpeedCPUAdam
-_LOW_MASTERS = (
-    "fp16_master_weights_and_grads",
-    "bf16_master_weights_and_grads",
-    "bf16_optimizer_states",
-)
-
-
 def _precision(d: dict, precision: str) -> None:
     if isinstance(d.get("amp"), dict) and d["amp"].get("enabled"):
         raise ValueError(
@@ -255,14 +247,7 @@ def _precision(d: dict, precision: str) -> None:
             "support; use precision='fp16' or 'bf16' instead"
         )
     for name in ("fp16", "bf16", "bfloat16"):
-        sec = d.get(name)
-        lowered = [k for k in _LOW_MASTERS if isinstance(sec, dict) and sec.get(k) is True]
-        if lowered:  # DeepSpeed asserts deep inside initialize otherwise
-            raise ValueError(
-                f"deepspeed_config sets {name}.{lowered[0]}, which DeepSpeed runs only with "
-                f"its compiled DeepSpeedCPUAdam under ZeRO offload; nbpar runs torch's Adam "
-                f"(nothing to compile) with fp32 master weights: remove {lowered[0]}"
-            )
+        check_half_masters(name, sec := d.get(name))
         if isinstance(sec, dict) and sec.get("enabled") == "auto":
             sec["enabled"] = ("bf16" if name == "bfloat16" else name) == precision
     have = _precision_of(d)

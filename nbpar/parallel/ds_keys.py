@@ -1,7 +1,8 @@
 """The keys of DeepSpeed's config (ds_config.json) as DeepSpeed documents and reads them:
 what `nbpar.parallel.ds_config` accepts before it suggests the nearest key for a typo.
 
-Data only. `tests/test_ds_config.py` checks ``ZERO_KEYS`` against the installed
+Data, and one check: the precision keys nbpar refuses (`check_half_masters`).
+`tests/test_ds_config.py` checks ``ZERO_KEYS`` against the installed
 DeepSpeed's ``DeepSpeedZeroConfig`` (every field and alias), so a key DeepSpeed reads
 is never refused as a typo.
 """
@@ -131,3 +132,22 @@ ZERO_KEYS = (
     "mics_shard_size",
     "mics_hierarchical_params_gather",
 )
+
+#: half-precision master weights / optimizer states: DeepSpeed runs them only with its
+#: compiled DeepSpeedCPUAdam under ZeRO offload (and asserts deep inside initialize)
+HALF_MASTER_KEYS = (
+    "fp16_master_weights_and_grads",
+    "bf16_master_weights_and_grads",
+    "bf16_optimizer_states",
+)
+
+
+def check_half_masters(name: str, section) -> None:
+    """Refuse a precision ``section`` (fp16 / bf16) that asks for `HALF_MASTER_KEYS`."""
+    asked = [k for k in HALF_MASTER_KEYS if isinstance(section, dict) and section.get(k) is True]
+    if asked:
+        raise ValueError(
+            f"deepspeed_config sets {name}.{asked[0]}, which DeepSpeed runs only with "
+            f"its compiled DeepSpeedCPUAdam under ZeRO offload; nbpar runs torch's Adam "
+            f"(nothing to compile) with fp32 master weights: remove {asked[0]}"
+        )

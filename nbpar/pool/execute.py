@@ -227,7 +227,9 @@ def run_cell(
     """
     busy = pool.busy_ranks(ranks)
     if busy:
-        raise PoolError(pool.busy_message(busy, "a cell"))
+        from nbpar.pool.status import busy_message
+
+        raise PoolError(busy_message(pool, busy, "a cell"))
     dead = [r for r in pool.dead_ranks() if r in ranks]
     if dead:
         raise EngineDied(f"the engine of rank(s) {dead} is dead: run `%dist restart`", dead)

@@ -304,20 +304,9 @@ class Pool:
         for r in ars:
             self._holders[r] = run
 
-    def busy_message(self, busy: list[int], asked: str) -> str:
-        """Why ``busy`` ranks cannot take ``asked`` now, and what to do: the training run
-        that holds them (stop or wait for it: a restart would end it), or a cell."""
-        run = next((self._holders[r] for r in busy if self._holders.get(r) is not None), None)
-        if run is None:
-            return (
-                f"rank(s) {busy} are still running an earlier cell (maybe stuck in a "
-                f"collective): wait for it, or run `%dist restart`"
-            )
-        return (
-            f"rank(s) {busy} are training {run!r}: {asked} starts when it ends; "
-            f"wait for it (run.wait()) or stop it (run.stop(), or the picker's Stop); "
-            f"`%dist restart` would end it"
-        )
+    def holder(self, ranks):
+        """The training run the latest requests of ``ranks`` belong to (None: cells)."""
+        return next((self._holders[r] for r in ranks if self._holders.get(r) is not None), None)
 
     def busy_ranks(self, ranks=None) -> list[int]:
         """Ranks still running a cell or a run that this pool started."""

@@ -236,7 +236,9 @@ def launch(pool, checked) -> Run:
     ranks = list(range(engines_for(checked.strategy, pool.n)))
     busy = pool.busy_ranks(ranks)
     if busy:  # queued behind it silently, it would sit at "starting..." for the whole run
-        raise PoolError(pool.busy_message(busy, "a new run"))
+        from nbpar.pool.status import busy_message
+
+        raise PoolError(busy_message(pool, busy, "a new run"))
     return Run(pool, checked, ranks)
 
 

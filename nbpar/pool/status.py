@@ -83,3 +83,19 @@ def status_html(pool) -> str:
         f"{' (shut down)' if pool.closed else ''}{env}"
         f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
     )
+
+
+def busy_message(pool, busy: list[int], asked: str) -> str:
+    """Why ``busy`` ranks cannot take ``asked`` now, and what to do: the training run
+    that holds them (stop or wait for it: a restart would end it), or a cell."""
+    run = pool.holder(busy)
+    if run is None:
+        return (
+            f"rank(s) {busy} are still running an earlier cell (maybe stuck in a "
+            f"collective): wait for it, or run `%dist restart`"
+        )
+    return (
+        f"rank(s) {busy} are training {run!r}: {asked} starts when it ends; "
+        f"wait for it (run.wait()) or stop it (run.stop(), or the picker's Stop); "
+        f"`%dist restart` would end it"
+    )
