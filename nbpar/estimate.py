@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import html
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from numbers import Real
 
 from nbpar.checks import positive_int
+from nbpar.ds_partition import gradient_elements_held
 from nbpar.measure.records import MEMORY_PARTS
 from nbpar.strategies import (
     BACKENDS,
@@ -148,6 +150,8 @@ def estimate_memory(
     activations: dict | None = None,
     backend: str | None = None,
     tp_replicated: float = 0,
+    param_sizes: Sequence[int] | None = None,
+    dp_rank: int = 0,
 ) -> MemoryEstimate:
     """Bytes each rank holds for parameters, gradients, optimizer states (and activations).
 
@@ -168,7 +172,10 @@ def estimate_memory(
     partition from stage 1 on and keeps an fp32 master partition even in fp32 training.
     ``tp_replicated``: how many of the parameters tensor parallelism leaves whole on every
     tp rank (`nbpar.model.plan.tp_replicated_parameters` counts them from a model's plan);
-    the paper's Psi / tp assumes 0.
+    the paper's Psi / tp assumes 0. ``param_sizes`` (each parameter's element count, in
+    the module's order) and ``dp_rank``: with DeepSpeed ZeRO-1/2 (no offload, tp = pp = 1)
+    the gradients data-parallel rank ``dp_rank`` holds are the whole of every parameter
+    its partition touches (`nbpar.ds_partition`), not Psi / dp.
     """
     params = count_parameters(params) if hasattr(params, "parameters") else params
     if (
@@ -211,6 +218,11 @@ def estimate_memory(
         "grads": g_b * psi / (dp if shard["grads"] else 1),
         "optim": o_b * psi / (dp if shard["optim"] else 1),
     }
+    if param_sizes is not None:
+        if sum(param_sizes) != params:
+            raise ValueError(f"param_sizes must add up to params={params}, got {sum(param_sizes)}.")
+        if backend == "deepspeed" and stage in (1, 2) and offload == "none" and tp == pp == 1:
+            nbytes["grads"] = g_b * gradient_elements_held(param_sizes, dp, dp_rank)
     moved = {"none": (), "optimizer": ("optim",), "params": ("optim", "params")}[offload]
     host = sum(nbytes[key] for key in moved)
     nbytes.update({key: 0.0 for key in moved})
@@ -235,7 +247,15 @@ def estimate_memory(
     )
 
 
-def estimate_config(cfg, world_size: int, params, *, tp_replicated: float = 0) -> MemoryEstimate:
+def estimate_config(
+    cfg,
+    world_size: int,
+    params,
+    *,
+    tp_replicated: float = 0,
+    param_sizes: Sequence[int] | None = None,
+    dp_rank: int = 0,
+) -> MemoryEstimate:
     """`estimate_memory` for a TrainConfig's run on ``world_size`` engines: its degrees
     (`TrainConfig.dims`), optimizer, offload and backend; bf16 and fp16 count as mixed."""
     dims = cfg.dims(world_size)
@@ -251,6 +271,8 @@ def estimate_config(cfg, world_size: int, params, *, tp_replicated: float = 0) -
         offload=cfg.offload,
         backend=cfg.backend,
         tp_replicated=tp_replicated,
+        param_sizes=param_sizes,
+        dp_rank=dp_rank,
     )
 
 

@@ -195,7 +195,10 @@ LAYERS = (
     ("measure", ("nbpar.measure",)),
     ("strategies", ("nbpar.dims", "nbpar.strategies")),
     ("parallel", ("nbpar.parallel",)),
-    ("estimate", ("nbpar.estimate", "nbpar.comm_estimate", "nbpar.estimate_plot")),
+    (
+        "estimate",
+        ("nbpar.estimate", "nbpar.comm_estimate", "nbpar.estimate_plot", "nbpar.ds_partition"),
+    ),
     ("config", ("nbpar.config", "nbpar.checkpoint_meta", "nbpar.probe")),
     ("train", ("nbpar.train",)),
     ("simulate", ("nbpar.simulate",)),

@@ -43,20 +43,6 @@ _GRAD_ATTRS = (
 )
 
 
-def _view_bytes(tensors) -> int:
-    """Bytes the views reach, per storage: the views' own sizes (distinct regions),
-    but never more than the storage (a flat buffer listed next to its per-parameter views
-    counts once)."""
-    storages: dict = {}
-    for t in tensors:
-        if t is None or t.numel() == 0:
-            continue
-        key = t.untyped_storage().data_ptr()
-        regions = storages.setdefault(key, (t.untyped_storage().nbytes(), set()))[1]
-        regions.add((t.data_ptr(), t.numel() * t.element_size()))
-    return sum(min(limit, sum(size for _, size in regions)) for limit, regions in storages.values())
-
-
 def import_deepspeed():
     """Import deepspeed the CPU-safe way: DS_ACCELERATOR=cpu without a GPU, no shm op."""
     device.deepspeed_env()
@@ -193,13 +179,15 @@ class DeepSpeedRunner(StepRunner):
         (`nbpar.parallel.ds_config.ds_config_for` wrote the TrainConfig's values there)."""
 
     def _grad_bytes(self) -> int:
-        """``.grad`` of params and masters, plus DeepSpeed's gradient partitions counted
-        by their own size: at the boundary a partition can be a view into a parameter's
-        whole gradient (the one that straddles two ranks), which is this rank's share."""
+        """``.grad`` of params and masters, plus DeepSpeed's gradient partitions, each
+        storage counted whole and once: under ZeRO-1/2 a partition's gradients are views
+        of a buffer that holds every parameter it touches whole (`nbpar.ds_partition`)."""
         opt = self.engine.optimizer
         masters = [t for a in _MASTER_ATTRS for t in _tensors(getattr(opt, a, None))]
-        grads = tensor_bytes([p.grad for p in self.parameters()] + [m.grad for m in masters])
-        return grads + _view_bytes(t for a in _GRAD_ATTRS for t in _tensors(getattr(opt, a, None)))
+        partitions = [t for a in _GRAD_ATTRS for t in _tensors(getattr(opt, a, None))]
+        return tensor_bytes(
+            [p.grad for p in self.parameters()] + [m.grad for m in masters] + partitions
+        )
 
     def parameters(self):
         return list(self.engine.module.parameters())

@@ -76,6 +76,7 @@ class Run:
         self.run_id = uuid.uuid4().hex[:12]
         self.started = time.time()
         self._results = None
+        self._model_counts = None  # (parameter sizes, tp-replicated count), for estimate()
         self.stop_asked = False
         self._ars = {
             r: pool.client[pool.engine_id(r)].apply_async(
@@ -174,22 +175,35 @@ class Run:
             [res[r]["machine"] for r in self.ranks], max(spreads) if spreads else None
         )
 
-    def estimate(self):
-        """The analytic memory estimate for this run's model, strategy and degrees."""
+    def estimate(self, rank: int = 0):
+        """The analytic memory estimate for this run's model, strategy and degrees, as
+        rank ``rank`` holds it (ranks differ where DeepSpeed's partitions split a
+        parameter, `nbpar.ds_partition`)."""
         from nbpar.estimate import estimate_config
         from nbpar.model.models import build_model
         from nbpar.model.plan import tp_replicated_parameters
 
         world = len(self.ranks)
-        model = build_model(self.cfg)
-        n_params = sum(p.numel() for p in model.parameters())
-        replicated = tp_replicated_parameters(model) if self.cfg.dims(world).tp > 1 else 0
-        return estimate_config(self.cfg, world, n_params, tp_replicated=replicated)
+        dims = self.cfg.dims(world)
+        if self._model_counts is None:  # built once: a run's estimate per rank is cheap
+            model = build_model(self.cfg)
+            replicated = tp_replicated_parameters(model) if dims.tp > 1 else 0
+            self._model_counts = [p.numel() for p in model.parameters()], replicated
+        sizes, replicated = self._model_counts
+        return estimate_config(
+            self.cfg,
+            world,
+            sum(sizes),
+            tp_replicated=replicated,
+            param_sizes=sizes,
+            dp_rank=rank if dims.tp == dims.pp == 1 else 0,
+        )
 
     def memory_vs_estimate(self) -> dict:
-        """Per rank: measured param/grad/optimizer bytes next to the estimate."""
-        est = self.estimate()
-        return {row["rank"]: est.compare(row) for row in self.result()["ranks"]}
+        """Per rank: measured param/grad/optimizer bytes next to that rank's estimate."""
+        return {
+            row["rank"]: self.estimate(row["rank"]).compare(row) for row in self.result()["ranks"]
+        }
 
     def per_rank(self) -> dict:
         self.wait()
