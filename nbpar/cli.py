@@ -295,7 +295,7 @@ def _human_train(out: dict) -> str:
     from nbpar.measure.records import MEMORY_PARTS
 
     cfg = out["config"]
-    comm = f"communication in flight {out['comm_fraction']:.0%} of the step"
+    comm = f"communication in flight {out['comm_fraction']:.0%} of the metered step"
     if out.get("exposed_comm_fraction") is not None:  # the metered step's split
         comm += f" (exposed {out['exposed_comm_fraction']:.0%}"
         if out.get("comm_wait_fraction") is not None:

@@ -11,7 +11,7 @@ import pytest
 import nbpar
 from nbpar.comm_estimate import comm_bytes_per_step
 from nbpar.measure.comm import functional_moved_bytes, moved_bytes
-from nbpar.measure.step_split import step_shares
+from nbpar.measure.step_split import share_summary, step_shares
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -123,20 +123,37 @@ def test_every_strategy_reports_its_communication_time(data_parallel, pool):
             assert r["comm_s"] > 0, name
             # exposed and waiting are disjoint parts of the time in flight, of one step
             assert 0 <= r["exposed_comm_s"] + r["comm_wait_s"] <= r["comm_s"] + 1e-9, name
+            # and as shares of their metered steps, measured so (nothing caps them)
+            inside = r["exposed_comm_fraction"] + r["comm_wait_fraction"]
+            assert 0 < r["comm_metered_steps"], name
+            assert 0 <= inside <= r["comm_fraction"] + 1e-9 <= 1 + 1e-9, (name, r)
+            for key in ("comm_fraction", "exposed_comm_fraction", "comm_wait_fraction"):
+                lo, hi = r[f"{key}_spread"]
+                assert 0 <= lo <= r[key] <= hi <= 1 + 1e-9, (name, key, r)
     res = pool.train(nbpar.TrainConfig(steps=4, strategy="ddp", micro_batch=1)).result()
     parts = res["exposed_comm_fraction"] + res["comm_wait_fraction"]
     assert 0 < parts <= res["comm_fraction"] + 1e-12 <= 1 + 1e-12
 
 
-def test_step_shares_are_parts_of_a_whole():
-    # within a normal step: plain shares
-    assert step_shares(0.5, 0.1, 0.2, 1.0) == pytest.approx((0.5, 0.1, 0.2))
-    # a metered step whose wait stretched past a normal step: scaled together
-    assert step_shares(2.0, 0.6, 1.0, 1.0) == pytest.approx((1.0, 0.3, 0.5))
-    # the parts never exceed the whole, whatever the clocks said
-    in_flight, exposed, wait = step_shares(0.3, 0.25, 0.2, 1.0)
-    assert (exposed, wait) == pytest.approx((0.25, 0.05)) and exposed + wait <= in_flight
-    assert step_shares(None, None, None, 1.0) == step_shares(0.5, 0.1, 0.1, 0.0) == (0, 0, 0)
+def test_shares_are_measured_seconds_over_the_metered_step():
+    rec = {
+        "comm_metered": True,
+        "comm_in_flight_s": 0.5,
+        "exposed_comm_s": 0.1,
+        "comm_wait_s": 0.2,
+        "comm_window_s": 2.0,
+    }
+    assert step_shares(rec) == pytest.approx((0.25, 0.05, 0.1))
+    # nothing scaled, nothing capped: a window shorter than its intervals (which a meter
+    # cannot measure) shows as a share over 1, not as 1
+    assert step_shares({**rec, "comm_window_s": 0.25})[0] == pytest.approx(2.0)
+    assert step_shares({**rec, "comm_metered": False}) is None
+    assert step_shares({k: v for k, v in rec.items() if k != "comm_window_s"}) is None
+    summary = share_summary([rec, {**rec, "comm_window_s": 1.0}, {"step_time_s": 0.1}])
+    assert summary["comm_metered_steps"] == 2
+    assert summary["comm_fraction"] == pytest.approx(0.375)  # median of 0.25 and 0.5
+    assert summary["comm_fraction_spread"] == pytest.approx([0.25, 0.5])
+    assert share_summary([])["exposed_comm_fraction"] is None
 
 
 def _late_partner(rank, world, overlap):

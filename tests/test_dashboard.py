@@ -4,7 +4,6 @@ that show what differs per rank; the static figure draws the same state."""
 from __future__ import annotations
 
 import math
-import statistics
 import threading
 import time
 
@@ -114,7 +113,7 @@ def test_memory_states_and_process_are_separate_panels_per_rank():
 
 
 def test_step_and_comm_time_per_rank_with_the_health_note():
-    run = FakeRun(history=history(4, comm=(0.01, 0.03)))
+    run = FakeRun(history=history(4, comm=(0.01, 0.1)))
     dash = live(run)
     labels = [s["label"] for s in _panel(dash.chart.spec, "step")["series"]]
     assert labels == [
@@ -125,10 +124,10 @@ def test_step_and_comm_time_per_rank_with_the_health_note():
     ]
     rank1 = [r for r in run.history if r["rank"] == 1]
     assert _col(dash.chart, "step", 1) == [r["step_time_s"] for r in rank1]
-    # the metered step (2) measured 0.03 s in flight, half exposed; carried forward
-    assert _col(dash.chart, "step", 3) == [None, None, 0.015, 0.015]
-    normal = statistics.median(r["step_time_s"] for r in rank1 if not r.get("comm_metered"))
-    share = 0.015 / normal
+    # the metered step (2) measured 0.1 s in flight, half exposed; carried forward
+    assert _col(dash.chart, "step", 3) == [None, None, 0.05, 0.05]
+    metered = next(r for r in rank1 if r.get("comm_metered"))
+    share = 0.05 / metered["comm_window_s"]  # of the metered step, as measured
     assert share > COMM_HEALTH
     assert f"rank 1 {share:.0%}" in dash.chart.notes["step"]
     assert "worth a look" in dash.chart.notes["step"]
@@ -285,22 +284,22 @@ def test_plot_step_split_static():
     run = FakeRun(history=history(4, comm=(0.01, 0.03)))
     ax = plot_step_split(run).axes[0]
     groups = by_rank(run.history)
-    normal = {
-        r: statistics.median(x["step_time_s"] for x in g if not x.get("comm_metered"))
-        for r, g in groups.items()
+    window = {
+        r: [x for x in g if x.get("comm_metered")][-1]["comm_window_s"] for r, g in groups.items()
     }
     # bars per rank, bottom up: exposed, waiting for a slower rank, hidden by compute,
-    # compute only (shares of a normal step)
+    # compute only (shares of the metered step itself, measured in its own seconds)
     exposed, wait, hidden, compute = (ax.patches[i : i + 2] for i in (0, 2, 4, 6))
     assert [p.get_height() for p in exposed] == pytest.approx(
-        [0.005 / normal[0], 0.015 / normal[1]]
+        [0.005 / window[0], 0.015 / window[1]]
     )
-    assert [p.get_height() for p in wait] == pytest.approx([0.0025 / normal[0], 0.0075 / normal[1]])
+    assert [p.get_height() for p in wait] == pytest.approx([0.0025 / window[0], 0.0075 / window[1]])
     assert [p.get_height() for p in hidden] == pytest.approx(
-        [0.0025 / normal[0], 0.0075 / normal[1]]
+        [0.0025 / window[0], 0.0075 / window[1]]
     )
     assert [p.get_y() + p.get_height() for p in compute] == pytest.approx([1.0, 1.0])
     assert [p.get_y() for p in wait] == [p.get_height() for p in exposed]
+    assert [t.get_text() for t in ax.texts[:2]] == [f"{window[r]:.3g} s" for r in (0, 1)]
 
 
 def test_step_split_is_empty_before_the_first_metered_step():

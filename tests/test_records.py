@@ -22,6 +22,13 @@ CONTRACT_RANK_KEYS = [
     "comm_wait_s",
     "activation_bytes",
     "process_peak_bytes",
+    "comm_fraction",
+    "exposed_comm_fraction",
+    "comm_wait_fraction",
+    "comm_fraction_spread",
+    "exposed_comm_fraction_spread",
+    "comm_wait_fraction_spread",
+    "comm_metered_steps",
 ]
 
 

@@ -24,7 +24,8 @@ def record(
     """One step record like nbpar.train.loop publishes; values differ per step and rank
     (``loss`` as published: the same on every rank after averaging; ``local=True`` adds
     each rank's own ``local_loss``; ``metered=True`` the metered step's in-flight time
-    ``comm_s``, half of it exposed and a quarter waiting for the other rank)."""
+    ``comm_s``, half of it exposed and a quarter waiting for the other rank, in a
+    metered step three times as long as a normal one)."""
     step_s = 0.05 + 0.001 * step + 0.01 * rank
     samples = 16 / step_s
     extra = {"local_loss": 5.0 / (1 + step) + 0.1 * (rank - 0.5)} if local else {}
@@ -46,7 +47,12 @@ def record(
         "peak_bytes": (120 + step + rank) * MB,
         "time": 1000.0 + 0.1 * step,
         **(
-            {"comm_metered": True, "comm_in_flight_s": comm_s, "comm_wait_s": comm_s / 4}
+            {
+                "comm_metered": True,
+                "comm_in_flight_s": comm_s,
+                "comm_wait_s": comm_s / 4,
+                "comm_window_s": 3 * step_s,  # a metered step runs slower
+            }
             if metered
             else {}
         ),

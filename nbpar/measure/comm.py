@@ -16,8 +16,9 @@ length of the union of those intervals; ``exposed_comm_s`` the part of it during
 compute op (any other op that passed the dispatcher) ran on this rank, i.e. communication
 that compute did not hide. Python between ops counts as not hiding it, so exposed time is
 an upper bound. The metered step itself is several times slower than the others (every
-op goes through Python) while the collectives run at their own speed, so a run reports
-these seconds as shares of a normal (unmetered) step.
+op goes through Python) while the collectives run at their own speed, so its shares
+(seconds over `window_s`, the metered step) are shares of that slower step: they say
+which strategy communicates more, not what share a normal step would show.
 
 A collective cannot finish before every rank of its group has launched it, so part of
 its time in flight is a wait for a slower rank, not communication. After a metered step
@@ -215,6 +216,7 @@ class CommMeter(TorchDispatchMode):
         self._flight: list[list[float | None]] = []  # [start, end]; end None until done
         self._pending: dict[int, list] = {}  # functional collective output -> its interval
         self._compute: list[tuple[float, float]] = []
+        self._opened_at: float | None = None
         self._closed_at: float | None = None
         self._polled: list = []  # (Work, interval) of Works that have no Future
         self._poller: threading.Thread | None = None
@@ -290,6 +292,10 @@ class CommMeter(TorchDispatchMode):
                     return
             time.sleep(0.001)
 
+    def __enter__(self):
+        self._opened_at = self.clock()
+        return super().__enter__()
+
     def __exit__(self, *exc):
         with self._lock:
             self._closed_at = self.clock()
@@ -305,6 +311,11 @@ class CommMeter(TorchDispatchMode):
             return [
                 (a, max(a, min(b, end)) if b is not None else max(a, end)) for a, b in self._flight
             ]
+
+    def window_s(self) -> float:
+        """Seconds the meter was open: the metered step, which holds every interval."""
+        end = self._closed_at if self._closed_at is not None else self.clock()
+        return end - (self._opened_at if self._opened_at is not None else end)
 
     def comm_s(self) -> float:
         """Seconds with at least one op of this rank in flight."""

@@ -60,6 +60,7 @@ class StepRecord(_StepRequired, total=False):
     comm_in_flight_s: float  # seconds with a collective in flight
     exposed_comm_s: float  # of those, seconds no compute hid once every rank joined
     comm_wait_s: float  # of those, seconds spent waiting for a slower rank to join
+    comm_window_s: float  # the metered step's own seconds: the shares' whole
     tracked_peak_bytes: int  # peak of live tensor storage in the step (`memtrack`)
     activation_bytes: int  # peak of storage saved for backward
     memory_error: str  # why the memory meter could not follow the step (instead of both)
@@ -91,11 +92,16 @@ class RankResult(_Ranked, ModelStates):
     comm_s: float | None
     exposed_comm_s: float | None
     comm_wait_s: float | None
-    # the same as shares of a normal step (`nbpar.measure.step_split.step_shares`);
+    # each as a share of its metered step, the median over the metered steps
+    # (`nbpar.measure.step_split.share_summary`), and its [lowest, highest];
     # comm_fraction falls back to the timer's share when no step was metered
     comm_fraction: float
     exposed_comm_fraction: float | None
     comm_wait_fraction: float | None
+    comm_fraction_spread: list[float] | None
+    exposed_comm_fraction_spread: list[float] | None
+    comm_wait_fraction_spread: list[float] | None
+    comm_metered_steps: int  # how many steps were metered
     bubble_fraction: float | None  # pipeline: measured idle share of the pp ranks
     schedule_bubble_fraction: float | None  # pipeline: the part its schedule forces
     history: list[StepRecord]  # every step record of this rank, in step order
@@ -104,7 +110,7 @@ class RankResult(_Ranked, ModelStates):
 
 class ResultRank(_Ranked, ModelStates):
     """One entry of ``Run.result()["ranks"]`` and ``nbpar train --json`` (the contract):
-    a `RankResult`'s figures, without its history and shares."""
+    a `RankResult`'s figures, without its history and machine."""
 
     peak_bytes: int
     comm_bytes: int | None
@@ -114,6 +120,14 @@ class ResultRank(_Ranked, ModelStates):
     comm_wait_s: float | None
     activation_bytes: int | None
     process_peak_bytes: int
+    # the rank's shares of its metered steps (added after the first keys, not among them)
+    comm_fraction: float
+    exposed_comm_fraction: float | None
+    comm_wait_fraction: float | None
+    comm_fraction_spread: list[float] | None
+    exposed_comm_fraction_spread: list[float] | None
+    comm_wait_fraction_spread: list[float] | None
+    comm_metered_steps: int
 
 
 def result_rank(res: RankResult) -> ResultRank:

@@ -1,27 +1,41 @@
-"""How one metered step's communication divides a normal step: the shares a run reports
-and the dashboard draws (`step_shares`). Imports nothing, so the kernel's view can use it
-without torch.
+"""How a metered step's communication divides that step: the shares a run reports and the
+dashboard draws. Imports nothing, so the kernel's view can use it without torch.
+
+Each share is measured seconds over the metered step's own seconds (`CommMeter.window_s`),
+never scaled to another step nor capped: ``exposed`` (no compute ran, every rank had
+joined) and ``wait`` (no compute ran, a rank had not joined yet) are disjoint parts of the
+time in flight, which lies inside the step, so exposed + wait <= in flight <= 1 holds
+because it was measured so. The metered step runs slower than a normal one (every op
+passes through Python, which stretches compute and not the collectives), so these are
+shares of that step: they rank strategies by how much they communicate, and a normal
+step would show a larger share of communication.
 """
 
 from __future__ import annotations
 
+import statistics
 
-def step_shares(
-    in_flight_s: float | None, exposed_s: float | None, wait_s: float | None, step_s: float
-) -> tuple[float, float, float]:
-    """(in flight, exposed, wait) of one metered step as shares of a normal step.
+SHARES = ("comm_fraction", "exposed_comm_fraction", "comm_wait_fraction")
+SECONDS = ("comm_in_flight_s", "exposed_comm_s", "comm_wait_s")
 
-    ``exposed_s`` (no compute ran, every rank had joined) and ``wait_s`` (no compute ran,
-    a rank had not joined yet) are disjoint parts of ``in_flight_s``. The metered step runs
-    slower than a normal one (every op passes through Python), and a rank's wait for a
-    slower peer stretches with it; when its in-flight time outlasts a normal step the three
-    are scaled together, so in flight is the whole step and the parts keep their
-    proportions. Always 0 <= exposed + wait <= in flight <= 1.
-    """
-    if not step_s or step_s <= 0 or not in_flight_s:
-        return 0.0, 0.0, 0.0
-    scale = 1.0 / max(step_s, in_flight_s)
-    in_flight = in_flight_s * scale
-    exposed = min(max(exposed_s or 0.0, 0.0) * scale, in_flight)
-    wait = min(max(wait_s or 0.0, 0.0) * scale, in_flight - exposed)
-    return in_flight, exposed, wait
+
+def step_shares(record: dict) -> tuple[float, float, float] | None:
+    """(in flight, exposed, wait) of one metered step record as shares of that step, or
+    None for a record that was not metered (or has no window: an older record)."""
+    window = record.get("comm_window_s")
+    if not record.get("comm_metered") or not window or window <= 0:
+        return None
+    return tuple((record.get(key) or 0.0) / window for key in SECONDS)
+
+
+def share_summary(records: list[dict]) -> dict:
+    """The median of each share over the metered steps among ``records``, and its spread
+    (``<share>_spread``: [lowest, highest]); None for each when none was metered."""
+    rows = [s for s in (step_shares(r) for r in records) if s is not None]
+    out: dict = {}
+    for i, key in enumerate(SHARES):
+        values = [row[i] for row in rows]
+        out[key] = statistics.median(values) if values else None
+        out[f"{key}_spread"] = [min(values), max(values)] if values else None
+    out["comm_metered_steps"] = len(rows)
+    return out

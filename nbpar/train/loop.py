@@ -31,7 +31,7 @@ from nbpar.measure.comm import CommMeter, exchange_launches
 from nbpar.measure.memtrack import StepMemory
 from nbpar.measure.metrics import CommTimer, memory_snapshot, step_peak_bytes
 from nbpar.measure.records import MEMORY_PARTS, RankResult, StepRecord
-from nbpar.measure.step_split import step_shares
+from nbpar.measure.step_split import share_summary
 from nbpar.model.data import build_loader
 from nbpar.model.models import build_model
 from nbpar.parallel import build_runner
@@ -207,6 +207,7 @@ def _metered_figures(comm: CommMeter, mem: StepMemory, record: StepRecord) -> di
         "comm_in_flight_s": comm.comm_s(),
         "exposed_comm_s": comm.exposed_transfer_s(),
         "comm_wait_s": comm.wait_s(),
+        "comm_window_s": comm.window_s(),
         "comm_metered": True,
         **mem.figures(),
     }
@@ -240,7 +241,7 @@ def _summary(history: list[StepRecord], runner, ctx: RankContext, comm) -> RankR
         "activation_bytes": first.get("activation_bytes"),
         "memory_error": first.get("memory_error"),
         "step_time_s": step_s,
-        **_comm_summary(history, metered, comm, step_s),
+        **_comm_summary(history, metered, comm),
         "bubble_fraction": bubble() if callable(bubble) else None,
         # the part of the bubble the schedule forces with the measured stage times
         "schedule_bubble_fraction": forced() if callable(forced) else None,
@@ -255,30 +256,27 @@ def _idle_record(runner, ctx: RankContext) -> dict:
     return figures
 
 
-def _comm_summary(history, metered, comm, step_s: float) -> dict:
+def _comm_summary(history, metered, comm) -> dict:
     """The run's communication: bytes this rank sent in one training step (the latest
     metered one), by kind of op; seconds with an op in flight, the part no compute hid
     once every rank had joined (exposed), and the part spent waiting for a slower rank to
-    join (wait), taken from one metered step (the median by in-flight time), and as shares
-    of a normal step ``step_s`` (the metered step itself runs several times slower, every
-    op passing through Python; `step_split.step_shares` says how the shares stay parts of
-    a whole). Without a metered step, the timer's share of all steps."""
+    join (wait), from the metered step with the median in-flight time; and each as a share
+    of its metered step, the median over the metered steps with its spread
+    (`step_split.share_summary`: measured, never scaled to a normal step). Without a
+    metered step, the timer's share of all steps (what the DDP hook and the loss
+    all-reduce saw)."""
     by_flight = sorted(metered, key=lambda r: r.get("comm_in_flight_s") or 0.0)
     pick = by_flight[(len(by_flight) - 1) // 2] if by_flight else {}
-    shares = step_shares(
-        pick.get("comm_in_flight_s"), pick.get("exposed_comm_s"), pick.get("comm_wait_s"), step_s
-    )
-    total_step = sum(r["step_time_s"] for r in history)
-    total_comm = sum(r["comm_s"] for r in history)
+    shares = share_summary(metered)
+    if not metered:
+        total_step = sum(r["step_time_s"] for r in history)
+        total_comm = sum(r["comm_s"] for r in history)
+        shares["comm_fraction"] = total_comm / total_step if total_step > 0 else 0.0
     return {
         "comm_bytes": comm.total() if comm is not None else None,
         "comm_bytes_by_op": comm.by_op() if comm is not None else None,
         "comm_s": pick.get("comm_in_flight_s"),
         "exposed_comm_s": pick.get("exposed_comm_s"),
         "comm_wait_s": pick.get("comm_wait_s"),
-        "comm_fraction": shares[0]
-        if metered
-        else (min(1.0, total_comm / total_step) if total_step > 0 else 0.0),
-        "exposed_comm_fraction": shares[1] if metered else None,
-        "comm_wait_fraction": shares[2] if metered else None,
+        **shares,
     }

@@ -9,15 +9,12 @@ so they agree on what "the latest step" or "the loss of a run" means.
 
 from __future__ import annotations
 
-import statistics
-
 from nbpar.measure.records import held_bytes, model_state_bytes, model_states
-from nbpar.measure.step_split import step_shares
+from nbpar.measure.step_split import SECONDS, step_shares
 
 #: Communication above this share of the step time is worth a look (Megatron-LM
 #: and ZeRO report healthy data/tensor parallel runs well below it).
 COMM_HEALTH = 0.2
-SPLIT_WINDOW = 10
 
 
 def as_history(obj) -> list[dict]:
@@ -60,33 +57,25 @@ def memory_parts(rec: dict) -> dict[str, float]:
     return {**model_states(rec), "other": other_bytes(rec)}
 
 
-def comm_split(
-    records: list[dict], window: int = SPLIT_WINDOW
-) -> tuple[float, float, float, float]:
-    """(exposed_s, wait_s, hidden_s, step_s) of one rank, from its latest metered step.
+def comm_split(records: list[dict]) -> tuple[float, float, float, float]:
+    """(exposed_s, wait_s, hidden_s, step_s) of one rank, as its latest metered step
+    measured them.
 
     A run meters some steps' collectives at the c10d layer (`nbpar.measure.comm.CommMeter`,
     which sees every strategy's ops; `nbpar.train.loop.is_metered` says which steps):
     ``exposed_s`` is the time with an op in flight, every rank of its group joined, and no
     compute running; ``wait_s`` the time no compute ran while every op in flight still
     waited for a slower rank to join; ``hidden_s`` the rest of the in-flight time
-    (overlapped by compute). ``step_s`` is a normal step, the median of the last
-    ``window`` unmetered records (a metered step itself runs slower: every op passes
-    through Python). All zero before the first metered step.
+    (overlapped by compute); ``step_s`` the metered step itself, which holds them all
+    (it runs slower than a normal step: every op passes through Python). Nothing is
+    scaled (`nbpar.measure.step_split`). All zero before the first metered step.
     """
-    metered = [r for r in records if r.get("comm_metered")]
-    normal = [r["step_time_s"] for r in records if not r.get("comm_metered")][-window:]
+    metered = [r for r in records if step_shares(r) is not None]
     if not metered:
         return 0.0, 0.0, 0.0, 0.0
     last = metered[-1]
-    step = statistics.median(normal) if normal else last["step_time_s"]
-    in_flight, exposed, wait = (
-        share * step
-        for share in step_shares(
-            last.get("comm_in_flight_s"), last.get("exposed_comm_s"), last.get("comm_wait_s"), step
-        )
-    )
-    return exposed, wait, in_flight - exposed - wait, step
+    in_flight, exposed, wait = (last.get(k) or 0.0 for k in SECONDS)
+    return exposed, wait, in_flight - exposed - wait, last["comm_window_s"]
 
 
 def steps_done(history: list[dict]) -> int:

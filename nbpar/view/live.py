@@ -11,11 +11,9 @@ they live in.
 
 from __future__ import annotations
 
-from collections import deque
-
 from nbpar.estimate import format_bytes
 from nbpar.measure.records import memory_key, model_state_bytes, model_states
-from nbpar.view.history import COMM_HEALTH, SPLIT_WINDOW, comm_split
+from nbpar.view.history import COMM_HEALTH, comm_split
 
 WAITING = "waiting for the first step"
 #: matplotlib's tab10, so the live chart and the static figures colour ranks alike
@@ -127,7 +125,6 @@ class LiveFeed:
         self.spec: dict | None = None
         self._last = {r: None for r in self.ranks}  # last step read per rank
         self._pending: dict[int, dict[int, dict]] = {}
-        self._recent = {r: deque(maxlen=SPLIT_WINDOW) for r in self.ranks}
         self._metered: dict[int, dict] = {}  # rank -> its latest metered step record
         self._peak = dict.fromkeys(self.ranks, 0)
         self.latest: dict[int, dict] = {}
@@ -191,7 +188,6 @@ class LiveFeed:
             if rec.get("time") is not None:
                 first = self.times[0] if self.times else rec["time"]
                 self.times = (first, max(rec["time"], self.times[1] if self.times else 0))
-            self._recent[rank].append(rec)
             self._peak[rank] = max(
                 self._peak[rank], rec.get(spec["memory_key"]) or 0, rec.get("peak_bytes") or 0
             )
@@ -204,7 +200,7 @@ class LiveFeed:
         shares = {}
         for r in ranks:
             if r in self._metered:
-                exposed, _, _, step = comm_split([self._metered[r], *self._recent[r]])
+                exposed, _, _, step = comm_split([self._metered[r]])
                 shares[r] = exposed / step if step > 0 else 0.0
         busy = [r for r, s in shares.items() if s > COMM_HEALTH]
         comm = " · ".join(f"rank {r} {s:.0%}" for r, s in shares.items()) or "not metered yet"
@@ -222,7 +218,7 @@ class LiveFeed:
         return {
             "loss": loss,
             "step": "dark: the step, light: its exposed communication (latest metered step); "
-            f"exposed share of a normal step: {comm}"
+            f"exposed share of the metered step: {comm}"
             + (f" (above {COMM_HEALTH:.0%}: worth a look)" if busy else ""),
             "throughput": "the whole run's rate, set by the slowest rank"
             + (f"; latest {rate:,.0f} {spec['throughput_key'][:-6]}/s" if rate else ""),

@@ -142,7 +142,7 @@ class MemoryPanel:
 
 
 class SplitPanel:
-    """A normal step per rank split into exposed communication, waiting for a slower
+    """The metered step per rank split into exposed communication, waiting for a slower
     rank, communication hidden by compute, and compute alone, from the rank's latest
     metered step, with the 20% line.
 
@@ -153,8 +153,8 @@ class SplitPanel:
     ranks, which more bandwidth would not fix.
     """
 
-    def __init__(self, ax, ranks, window: int = 10):
-        self.ax, self.ranks, self.window = ax, list(ranks), window
+    def __init__(self, ax, ranks):
+        self.ax, self.ranks = ax, list(ranks)
         x = range(len(self.ranks))
         labels = {
             "exposed": "communication, exposed",
@@ -173,13 +173,13 @@ class SplitPanel:
         ax.set_xticks(list(x), [f"rank {r}" for r in self.ranks])
         ax.set_ylim(0, 1.75)  # room for the legend above the bars
         ax.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
-        ax.set_ylabel("share of a normal step")
+        ax.set_ylabel("share of the metered step")
         ax.set_title("step time split (latest metered step)", fontsize="medium")
         ax.legend(fontsize="small", loc="upper center", ncols=2)
 
     def seconds(self, groups) -> dict[int, tuple[float, float, float, float]]:
         """rank -> (exposed_s, wait_s, hidden_s, step_s) as drawn."""
-        return {r: comm_split(groups.get(r, []), self.window) for r in self.ranks}
+        return {r: comm_split(groups.get(r, [])) for r in self.ranks}
 
     def set(self, groups) -> None:
         for i, (*parts, step) in enumerate(self.seconds(groups).values()):

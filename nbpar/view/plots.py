@@ -152,13 +152,12 @@ def plot_memory(result_or_history, estimate=None, ax=None):
     return ax.figure
 
 
-def plot_step_split(run_or_history, ax=None, window: int | None = None):
-    """A normal step per rank (median of the last ``window`` unmetered steps, default all)
-    split into exposed communication, communication hidden by compute and compute alone,
-    as the latest metered step measured them, with the 20% exposed line."""
+def plot_step_split(run_or_history, ax=None):
+    """Each rank's latest metered step split into exposed communication, waiting for a
+    slower rank, communication hidden by compute and compute alone, as shares of that
+    step (measured, never scaled: `nbpar.measure.step_split`), with the 20% exposed
+    line; the step's seconds above each bar."""
     groups = by_rank(as_history(run_or_history))
-    if window is None:
-        window = max((len(v) for v in groups.values()), default=1)
-    panel = SplitPanel(_axes(ax), list(groups), window=window)
+    panel = SplitPanel(_axes(ax), list(groups))
     panel.set(groups)
     return panel.ax.figure
