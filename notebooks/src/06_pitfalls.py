@@ -216,8 +216,10 @@ ax.figure
 # (`exposed_comm_fraction`). In flight includes communication that overlaps backward
 # (DDP's buckets all-reduce while later layers still compute); the 20% rule of thumb is
 # about the exposed share. Waiting is imbalance between ranks, not communication. All
-# three are shares of a normal step, and parts of one whole: exposed and waiting lie
-# within the time in flight. A 1-sample micro-batch of the small GPT is a textbook
+# three are shares of the metered step, measured in its own seconds and never scaled,
+# so parts of one whole: exposed and waiting lie within the time in flight. The metered
+# step runs slower than the others (every op passes through Python), so a normal step
+# would show more communication than these shares; they compare the two runs. A 1-sample micro-batch of the small GPT is a textbook
 # case: a step with little compute per all-reduce. Accumulating 16
 # micro-batches per all-reduce adds 15 forward and backward passes of compute to the
 # same one all-reduce, so communication takes a smaller share of a (longer) step.
@@ -233,7 +235,7 @@ for name, run in (("accum 1 ", run_latency), ("accum 16", run_compute)):
     steps = [r for r in run.history if not r.get("comm_metered")]
     share = sum(r["comm_s"] for r in steps) / sum(r["step_time_s"] for r in steps)
     res = run.result()
-    print(f"{name}: all-reduce in flight {share:.0%} of every step (DDP's hook); one metered "
+    print(f"{name}: all-reduce in flight {share:.0%} of every step (DDP's hook); the metered "
           f"step: in flight {res['comm_fraction']:.0%}, exposed {res['exposed_comm_fraction']:.0%}, "
           f"waiting for the other rank {res['comm_wait_fraction']:.0%}")
 fig = Figure(figsize=(10, 3), layout="constrained")
@@ -247,7 +249,7 @@ fig
 # %% [markdown]
 # Timings are noisy on a shared machine (a rank that waits for a slower peer inside
 # an all-reduce counts that wait as communication), so these outputs are not checked.
-# Each panel splits a normal step of each rank into communication that compute did not
+# Each panel splits the metered step of each rank into communication that compute did not
 # hide once both ranks had joined (exposed), waiting inside a collective for the slower
 # rank, communication hidden by compute, and compute alone, as the metered step measured
 # them; the dashed line is the 20% exposed mark (the same panel is in the live dashboard

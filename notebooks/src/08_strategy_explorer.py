@@ -144,11 +144,11 @@ for name, run in runs.items():
 
 # %% [markdown]
 # The full table and figure add the peak of live tensors during a step, the step time,
-# and the communication time: the share of the step with a collective in flight and the
-# share no compute hid (exposed), which the figure plots against the 20% line. Those
-# are timings, different on every run. A rank's wait for its slower peer inside a
+# and the communication time: the share of the metered step with a collective in flight
+# and the share no compute hid (exposed), which the figure plots against the 20% line.
+# Those are timings, different on every run. A rank's wait for its slower peer inside a
 # collective is kept apart from exposed communication (the orange part of the bar; both
-# are parts of the time in flight, as shares of a normal step): the
+# are parts of the time in flight, measured as shares of the metered step itself): the
 # metered step runs every op through Python and slows the ranks by different amounts, so
 # on a busy 2-core machine the wait can be most of what a small model spends in
 # collectives.
