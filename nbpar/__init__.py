@@ -1,7 +1,8 @@
 """nbpar: see distributed training work, cell by cell, from a notebook.
 
 Public API: Pool, TrainConfig, compare, estimate_memory, StrategyPicker, FitPicker, log,
-register_model, simulate.
+register_model, simulate, project (a step on real GPUs, estimated), days_to_train and
+hardware (the devices, links and machines project knows).
 Importing nbpar is cheap: torch and ipyparallel load when first needed, and
 nothing starts processes or touches devices at import time.
 """
@@ -23,6 +24,10 @@ _LAZY = {
     # the package itself, callable: nbpar.simulate(cfg, world_size=N), nbpar.simulate.what_fits
     "simulate": ("nbpar.simulate", None),
     "register_model": ("nbpar.model.registry", "register_model"),
+    # the module itself, callable: nbpar.project(cfg_or_run, "8xH100-SXM", params=...)
+    "project": ("nbpar.project", None),
+    "days_to_train": ("nbpar.hardware", "days_to_train"),
+    "hardware": ("nbpar.hardware", None),
     "EngineDied": ("nbpar.errors", "EngineDied"),
     "DistTimeout": ("nbpar.errors", "DistTimeout"),
     "RankError": ("nbpar.errors", "RankError"),
@@ -39,6 +44,9 @@ __all__ = [
     "log",
     "register_model",
     "simulate",
+    "project",
+    "days_to_train",
+    "hardware",
 ]
 
 

@@ -1,4 +1,4 @@
-"""The nbpar command: train, estimate and bench launch, each with --json.
+"""The nbpar command: train, estimate, simulate, project and bench launch, each with --json.
 
 With ``--json`` exactly one JSON object goes to stdout. Bad arguments exit
 with code 2 and one line on stderr, before anything starts.
@@ -139,6 +139,20 @@ def build_parser() -> _Parser:
     e.add_argument("--offload", choices=("none", "optimizer", "params"), default="none")
     e.add_argument("--json", action="store_true")
 
+    pj = sub.add_parser("project", help="a step on real GPUs, estimated (nbpar.project)")
+    pj.add_argument("--list-hardware", action="store_true", help="the machines it knows")
+    pj.add_argument("--hardware", default="8xH100-SXM")
+    pj.add_argument("--model-params", type=_positive_float, default=None)
+    pj.add_argument("--strategy", choices=STRATEGIES, default="ddp")
+    pj.add_argument("--backend", choices=BACKENDS, default=None)
+    pj.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None)
+    for flag in ("dp", "tp", "pp", "world-size", "micro-batch", "grad-accum", "seq-len",
+                 "layers", "d-model"):  # fmt: skip
+        pj.add_argument(f"--{flag}", type=_positive_int, default=None)
+    for flag in ("tokens-per-step", "flops-per-step", "utilisation"):
+        pj.add_argument(f"--{flag}", type=_positive_float, default=None)
+    pj.add_argument("--json", action="store_true")
+
     from nbpar.simulate.cli import add_parser as add_simulate_parser
 
     add_simulate_parser(sub, _positive_int, _positive_float)
@@ -246,6 +260,25 @@ def cmd_estimate(args) -> dict:
     return est.to_json()
 
 
+def cmd_project(args) -> dict:
+    """The estimate as JSON, with the table people read (assumptions included)."""
+    from nbpar.hardware import PRESETS
+    from nbpar.project import project
+
+    if args.list_hardware:
+        return {"hardware": [{"name": n, "description": h.describe()} for n, h in PRESETS.items()]}
+    keys = ("strategy", "backend", "precision", "dp", "tp", "pp", "micro_batch", "grad_accum")
+    cfg = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
+    cfg["gpt"] = {"seq_len": args.seq_len} if args.seq_len else {}
+    given = ("world_size", "tokens_per_step", "flops_per_step", "utilisation", "layers", "d_model")
+    kwargs = {k: getattr(args, k) for k in given if getattr(args, k) is not None}
+    try:
+        est = project(cfg, args.hardware, params=args.model_params, **kwargs)
+    except (ValueError, TypeError) as err:
+        raise UsageError(_flagged(err)) from None
+    return {**est.to_json(), "table": est.table()}
+
+
 def cmd_simulate(args) -> dict:
     from nbpar.simulate.cli import run
 
@@ -269,6 +302,8 @@ def _human(command: str, out: dict) -> str:
         return human(out)
     if command == "estimate":
         return _human_estimate(out)
+    if command == "project":
+        return out.get("table") or "\n".join(h["description"] for h in out["hardware"])
     if command == "train":
         return _human_train(out)
     return json.dumps(out, indent=2)
@@ -329,6 +364,7 @@ def main(argv=None) -> int:
             "estimate": cmd_estimate,
             "bench": cmd_bench,
             "simulate": cmd_simulate,
+            "project": cmd_project,
         }
         out = handler[args.command](args)
     except UsageError as err:

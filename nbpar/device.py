@@ -11,6 +11,8 @@ import glob
 import os
 import sys
 
+from nbpar.hardware import PEAK_BF16_TFLOPS
+
 BACKENDS = ("gloo", "nccl")
 
 
@@ -191,21 +193,9 @@ def deepspeed_env() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-#: Dense (no sparsity) bf16 peak TFLOP/s from the vendors' datasheets, matched
-#: against the device name in this order (most specific first).
-PEAK_BF16_TFLOPS = (
-    ("H200", 989.0),
-    ("H100 PCIe", 756.0),
-    ("H100 NVL", 835.0),
-    ("H100", 989.0),
-    ("A100", 312.0),
-    ("L40S", 362.0),
-    ("A10G", 70.0),
-)
-
-
 def peak_flops_hint(name: str | None = None) -> float | None:
-    """Peak bf16 FLOP/s of GPU ``name`` (default: this host's GPU 0); None if unknown."""
+    """Peak bf16 FLOP/s of GPU ``name`` (default: this host's GPU 0); None if unknown.
+    The datasheet figures are `nbpar.hardware`'s, matched most specific name first."""
     name = gpu_name() if name is None else name
     for key, tflops in PEAK_BF16_TFLOPS:
         if name and key.lower() in name.lower():

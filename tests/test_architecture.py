@@ -190,14 +190,20 @@ def test_engine_side_never_imports_the_kernel_side():
 # layers below it, never one above, imports inside functions included. Within a layer,
 # `test_no_import_cycles_in_nbpar` keeps the modules acyclic.
 LAYERS = (
-    ("base", ("nbpar.device", "nbpar.errors", "nbpar.checks", "nbpar.files")),
+    ("base", ("nbpar.device", "nbpar.errors", "nbpar.checks", "nbpar.files", "nbpar.hardware")),
     ("model", ("nbpar.model",)),
     ("measure", ("nbpar.measure",)),
     ("strategies", ("nbpar.dims", "nbpar.strategies")),
     ("parallel", ("nbpar.parallel",)),
     (
         "estimate",
-        ("nbpar.estimate", "nbpar.comm_estimate", "nbpar.estimate_plot", "nbpar.ds_partition"),
+        (
+            "nbpar.estimate",
+            "nbpar.comm_estimate",
+            "nbpar.estimate_plot",
+            "nbpar.ds_partition",
+            "nbpar.project",
+        ),
     ),
     ("config", ("nbpar.config", "nbpar.checkpoint_meta", "nbpar.probe")),
     ("train", ("nbpar.train",)),
