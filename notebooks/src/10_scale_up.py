@@ -183,6 +183,78 @@ assert acts == sorted(acts, reverse=True)  # under 1F1B stage i holds p - i micr
 # its 32 dp ranks.
 
 # %% [markdown]
+# ## What it would cost on real GPUs
+#
+# A simulation says what fits and how many bytes each rank sends; `nbpar.project` turns
+# that, or what a config implies, into a step time on real hardware. It is an *estimate*
+# and prints its assumptions beside the answer: compute is 6 FLOPs a parameter and token
+# at 0.4 of the GPU's bf16 peak, each collective takes ring steps x latency + bytes /
+# bandwidth on the link its group uses (`nbpar.hardware`: NVLink in a node, the nodes'
+# InfiniBand or Ethernet shared by their GPUs), and part of the communication hides behind
+# compute as the strategy allows. A 1B model under DDP, half a million tokens a step, on
+# one node of 8 H100s, on two nodes over 400 Gb/s InfiniBand (one card a GPU), and on two
+# nodes over one 100 Gb/s Ethernet card each:
+
+# %%
+from nbpar import hardware
+
+cfg1b = nbpar.TrainConfig(strategy="ddp", precision="bf16", gpt=nbpar.GPTConfig(seq_len=2048))
+for name in ("8xH100-SXM", "2x8xH100-400G", "2x8xH100-100GbE"):
+    p = nbpar.project(cfg1b, name, params=1e9, tokens_per_step=2**19)
+    print(f"{name:16s} compute {p.compute_s:.3f} s, all-reduce {p.comm_s['dp all_reduce']:.3f} s, "
+          f"exposed {p.exposed_s:.3f} s, step {p.step_s:.3f} s: exposed {p.exposed_share:.0%}, "
+          f"{'healthy' if p.healthy else 'not healthy'}")
+
+# %% [markdown]
+# On one node the all-reduce is 16 ms and hides in the backward; across nodes it is ten
+# times slower (50 GB/s a GPU instead of 450) and still hides, because the step's compute
+# halved but is still longer; behind one 100 Gb/s card per node it takes 4.8 s and the
+# step is mostly waiting. The whole table, with every assumption, for the InfiniBand case:
+
+# %%
+print(nbpar.project(cfg1b, "2x8xH100-400G", params=1e9, tokens_per_step=2**19))
+
+# %% [markdown]
+# A simulation's own bytes by op project the same way: the 13B model under ZeRO-3 on 8
+# ranks, above, on one node of 8 H100s with the same half million tokens a step. And the
+# 70B layout on 1,024 H100s (128 nodes, `hardware.cluster`), with the 4 micro-batches
+# simulated above and with 256 (4.2M tokens a step, the size of batch such runs use):
+
+# %%
+p13 = nbpar.project(eight, "8xH100-SXM", params=psi13, tokens_per_step=2**19)
+print(f"13B zero3, 8 x H100: compute {p13.compute_s:.2f} s, "
+      + ", ".join(f"{op} {s:.3f} s" for op, s in p13.comm_s.items())
+      + f", exposed {p13.exposed_s:.3f} s, step {p13.step_s:.2f} s")
+h100x1024 = hardware.cluster("H100-SXM", 128)
+for k in (4, 256):
+    cfg = nbpar.TrainConfig.from_dict({**cfg70.to_dict(), "grad_accum": k})
+    p = nbpar.project(cfg, h100x1024, params=70.6e9)
+    print(f"70B, {k:3d} micro-batches: compute {p.compute_s:.3f} s, bubble {p.bubble_s:.3f} s, "
+          + ", ".join(f"{op} {s:.3f} s" for op, s in p.comm_s.items())
+          + f"; step {p.step_s:.3f} s, exposed {p.exposed_share:.0%}")
+
+# %% [markdown]
+# With 4 micro-batches of 512 tokens on each of 32 data-parallel replicas the step is too
+# small for 1,024 GPUs: the pipeline bubble (3/4 of the compute) and the gradient
+# all-reduce over the network, which the short backward cannot hide, dominate. With 256
+# micro-batches the bubble shrinks to 3/256 and the all-reduce hides; what stays exposed
+# is tensor parallelism's all-reduces, which sit between the matmuls (nbpar's blocks send
+# 6 a layer, where Megatron's fused QKV sends 4, and 30,720 calls add their latency).
+#
+# The same sum answers the classic claim "a 1B model trains in about 28 days on one A100,
+# in under 12 hours on 64": with Chinchilla's 20 tokens a parameter (20B tokens) at 0.4 of
+# the A100's 312 TFLOP/s, compute alone (perfect scaling, no communication) says:
+
+# %%
+one = nbpar.days_to_train(1e9, 20e9, "A100-80GB")
+many = nbpar.days_to_train(1e9, 20e9, "A100-80GB", gpus=64)
+print("claim: ~28 days on 1 A100, under 12 hours on 64")
+print(f"model: {one:.1f} days on 1 A100, {many * 24:.1f} hours on 64 "
+      f"(6 x 1e9 x 20e9 FLOPs / (312e12 x 0.4) = {6 * 1e9 * 20e9 / (312e12 * 0.4):,.0f} s)")
+print(f"28 days would need {28 / one * 20:.0f}B tokens at 0.4, or utilisation "
+      f"{0.4 * one / 28:.2f} for 20B tokens")
+
+# %% [markdown]
 # **Takeaway.**
 #
 # - Fake tensors and a fake process group ran the real strategy code at sizes this
@@ -196,3 +268,7 @@ assert acts == sorted(acts, reverse=True)  # under 1F1B stage i holds p - i micr
 #   embedding and the head whole.
 # - A simulation answers whether a layout fits and what it sends before any cluster time
 #   is spent.
+# - `nbpar.project` turned the same layouts into estimated step times on real GPUs, each
+#   assumption printed: a 1B DDP all-reduce hides on NVLink and on 400 Gb/s InfiniBand, not
+#   behind one 100 Gb/s card per node; the 1B claim's "28 days on one A100" is 11 days of
+#   compute at 0.4 of the peak for 20B tokens.
