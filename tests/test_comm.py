@@ -164,11 +164,14 @@ def _late_partner(rank, world, overlap):
     import torch
     import torch.distributed as dist
 
+    from nbpar.measure.blocked import BlockedClock
     from nbpar.measure.comm import CommMeter, exchange_launches
 
     t = torch.ones(1000)
     a = torch.randn(128, 128)
     store = dist.distributed_c10d._get_default_store()
+    clock = BlockedClock()  # the every-step clock, beside the meter
+    clock.start()
     with CommMeter() as meter:
         if rank == 1:  # join 0.5 s after rank 0 has launched its side
             store.wait(["launched"])
@@ -180,6 +183,7 @@ def _late_partner(rank, world, overlap):
             while not work.is_completed():
                 a = torch.tanh(a @ a)
         work.wait()
+    blocked = clock.stop()
     exposed = meter.exposed_comm_s()  # before the ranks tell each other when they launched
     exchange_launches(meter)
     out = {
@@ -187,6 +191,7 @@ def _late_partner(rank, world, overlap):
         "exposed_s": exposed,
         "wait_s": meter.wait_s(),
         "transfer_s": meter.exposed_transfer_s(),
+        "blocked_s": blocked,
         "bytes": meter.by_op(),
     }
     # a group with a member on another host has no shared clock: no wait is split off
@@ -213,6 +218,13 @@ def test_comm_time_in_flight_and_exposed_on_real_processes(overlap):
     if not overlap:  # rank 0 waited the 0.5 s that rank 1 was late; then 4 kB moved
         assert r0["wait_s"] >= 0.45 and r0["transfer_s"] < 0.5 * r0["wait_s"]
     assert r1["wait_s"] < 0.05  # rank 1 launched last: nobody to wait for
+    # the every-step clock sees the same wait without a meter's cost: rank 0's thread was
+    # blocked the half second unless it computed through it
+    if overlap:
+        assert r0["blocked_s"] < 0.1
+    else:
+        assert r0["blocked_s"] >= 0.45
+        assert r0["blocked_s"] == pytest.approx(r0["exposed_s"], abs=0.1)
     assert r0["cross_host_wait_s"] == 0 == r1["cross_host_wait_s"]
 
 

@@ -184,4 +184,12 @@ def test_a_busy_machine_is_said_beside_the_timings(pool):
     assert "other processes took" in busy["timing_note"]
     gap = abs(alone["exposed_comm_fraction"] - busy["exposed_comm_fraction"])
     assert gap <= 0.10 or not busy["timing_reliable"]
+    # the every-step share too: measured on the normal steps, of each rank
+    for res in (alone, busy):
+        for r in res["ranks"]:
+            lo, hi = r["comm_blocked_fraction_spread"]
+            assert 0 <= lo <= r["comm_blocked_fraction"] <= hi <= 1, r
+            assert r["comm_blocked_steps"] >= 20, r  # 30 steps less set-up and metered
+    gap = abs(alone["comm_blocked_fraction"] - busy["comm_blocked_fraction"])
+    assert gap <= 0.10 or not busy["timing_reliable"]
     assert [r["param_bytes"] for r in alone["ranks"]] == [r["param_bytes"] for r in busy["ranks"]]

@@ -29,6 +29,10 @@ CONTRACT_RANK_KEYS = [
     "exposed_comm_fraction_spread",
     "comm_wait_fraction_spread",
     "comm_metered_steps",
+    "comm_blocked_fraction",
+    "comm_blocked_fraction_spread",
+    "comm_blocked_steps",
+    "comm_blocked_method",
 ]
 
 

@@ -53,6 +53,8 @@ class StepRecord(_StepRequired, total=False):
     device_util_pct: int  # GPU: utilization in percent, where NVML answers
     offload_bytes: int  # DeepSpeed: bytes of the model states offloaded to host memory
     activation_peak_bytes: int  # pipeline: peak bytes of activations this stage kept
+    # every step on a CPU (`nbpar.measure.blocked`); None on a GPU
+    comm_blocked_s: float | None  # seconds the training thread was blocked in the step
     # a metered step (`nbpar.train.loop.is_metered`); it runs slower, every op in Python
     comm_metered: bool  # True: the figures below were measured on this step
     comm_bytes: int  # bytes this rank sent in the step, every collective together
@@ -102,6 +104,13 @@ class RankResult(_Ranked, ModelStates):
     exposed_comm_fraction_spread: list[float] | None
     comm_wait_fraction_spread: list[float] | None
     comm_metered_steps: int  # how many steps were metered
+    # every normal step (`nbpar.measure.blocked`: exposed communication and waiting for a
+    # slower rank together, measured without slowing the step): the median share of its
+    # step and [lowest, highest]; None on a GPU
+    comm_blocked_fraction: float | None
+    comm_blocked_fraction_spread: list[float] | None
+    comm_blocked_steps: int  # how many steps the share is the median of
+    comm_blocked_method: str | None  # "schedstat", or "thread_time" (core waits counted)
     bubble_fraction: float | None  # pipeline: measured idle share of the pp ranks
     schedule_bubble_fraction: float | None  # pipeline: the part its schedule forces
     history: list[StepRecord]  # every step record of this rank, in step order
@@ -128,6 +137,11 @@ class ResultRank(_Ranked, ModelStates):
     exposed_comm_fraction_spread: list[float] | None
     comm_wait_fraction_spread: list[float] | None
     comm_metered_steps: int
+    # the rank's blocked share of its normal steps (added after the keys above)
+    comm_blocked_fraction: float | None
+    comm_blocked_fraction_spread: list[float] | None
+    comm_blocked_steps: int
+    comm_blocked_method: str | None
 
 
 def result_rank(res: RankResult) -> ResultRank:

@@ -138,6 +138,7 @@ class Run:
         comm = measured("comm_fraction")
         exposed = measured("exposed_comm_fraction")
         waits = measured("comm_wait_fraction")
+        blocked = measured("comm_blocked_fraction")
         bubbles, forced = measured("bubble_fraction"), measured("schedule_bubble_fraction")
         reliable, note = self.timing_verdict()
         return RunResult(
@@ -154,6 +155,8 @@ class Run:
                 # whether the time figures above can be trusted on this machine, and why
                 "timing_reliable": reliable,
                 "timing_note": note,
+                # every normal step's blocked share (`nbpar.measure.blocked`), ranks' mean
+                "comm_blocked_fraction": statistics.mean(blocked) if blocked else None,
             }
         )
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from nbpar import device
 from nbpar.config import TrainConfig
 from nbpar.measure import machine
+from nbpar.measure.blocked import BlockedClock
 from nbpar.measure.comm import CommMeter, exchange_launches
 from nbpar.measure.memtrack import StepMemory
 from nbpar.measure.metrics import CommTimer, memory_snapshot, step_peak_bytes
@@ -100,6 +101,12 @@ def _agree_to_stop(should_stop, ctx: RankContext) -> bool:
 #: times slower (every op passes through Python), so the others are left alone.
 METER_EVERY = 20
 
+#: Whether each step times the training thread's blocked seconds (`BlockedClock`); only
+#: `benchmarks/meter_cost.py` turns it off, to measure what it costs.
+BLOCKED_CLOCK = True
+#: Steps at the start of a run left out of its blocked share (one-off set-up, as above).
+SETUP_STEPS = 2
+
 
 def is_metered(step: int, start: int, steps: int) -> bool:
     """Whether ``step`` of a run over steps ``start .. steps-1`` is metered."""
@@ -142,6 +149,8 @@ def _loop(cfg, runner, batches, ctx: RankContext, publish, should_stop, start) -
     """Steps ``start .. cfg.steps - 1`` (fewer if the ranks agree to stop), each
     published and checkpointed when due; then this rank's summary."""
     timer = getattr(runner, "comm_timer", None) or CommTimer()
+    # on a GPU the host thread also waits for its kernels: no blocked clock there
+    blocked = BlockedClock() if BLOCKED_CLOCK and ctx.device.type == "cpu" else None
     device.reset_peak(ctx.backend)
     history: list[StepRecord] = []
     comm = None  # the latest metered step's meter
@@ -149,7 +158,7 @@ def _loop(cfg, runner, batches, ctx: RankContext, publish, should_stop, start) -
     for step in range(start, cfg.steps):
         if should_stop is not None and _agree_to_stop(should_stop, ctx):
             break
-        record, meter = _step(cfg, runner, batches, ctx, timer, step, start)
+        record, meter = _step(cfg, runner, batches, ctx, timer, step, start, blocked)
         if meter is not None:
             comm = meter
         history.append(record)
@@ -158,13 +167,17 @@ def _loop(cfg, runner, batches, ctx: RankContext, publish, should_stop, start) -
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             checkpoint.save(cfg, runner, step + 1, batches.position(), ctx)
     usage = machine.usage(clocks, torch.get_num_threads())
-    return {**_summary(history, runner, ctx, comm), "machine": usage}
+    summary = _summary(history, runner, ctx, comm)
+    return {**summary, **_blocked_summary(history, blocked), "machine": usage}
 
 
-def _step(cfg, runner, batches, ctx: RankContext, timer: CommTimer, step: int, start: int):
-    """Train step ``step``; (its record, its CommMeter when the step is metered, else None)."""
+def _step(cfg, runner, batches, ctx, timer: CommTimer, step: int, start: int, blocked=None):
+    """Train step ``step``; (its record, its CommMeter when the step is metered, else None).
+    ``blocked`` (a `BlockedClock`, or None) times the thread's blocked seconds in it."""
     micro_batches = [batches.next() for _ in range(cfg.grad_accum)]
     timer.start_step()
+    if blocked is not None:
+        blocked.start()
     comm = mem = None
     if is_metered(step, start, cfg.steps):
         with CommMeter() as comm, StepMemory(runner) as mem:
@@ -173,6 +186,7 @@ def _step(cfg, runner, batches, ctx: RankContext, timer: CommTimer, step: int, s
         loss = runner.train_step(micro_batches)
     device.synchronize(ctx.backend)
     loss, local = _global_loss(loss, ctx, timer)
+    blocked_s = blocked.stop() if blocked is not None else None
     step_s = timer.end_step()
     comm_s = timer.comm_s()
     if comm is not None and ctx.distributed and ctx.world > 1:
@@ -187,6 +201,7 @@ def _step(cfg, runner, batches, ctx: RankContext, timer: CommTimer, step: int, s
         "step_time_s": step_s,
         "compute_s": step_s - comm_s,
         "comm_s": comm_s,
+        "comm_blocked_s": blocked_s,
         "samples_per_s": global_batch / step_s,
         "tokens_per_s": global_batch * tokens / step_s if tokens else None,
         **runner.memory(),
@@ -246,6 +261,25 @@ def _summary(history: list[StepRecord], runner, ctx: RankContext, comm) -> RankR
         # the part of the bubble the schedule forces with the measured stage times
         "schedule_bubble_fraction": forced() if callable(forced) else None,
         "history": history,
+    }
+
+
+def _blocked_summary(history: list[StepRecord], blocked) -> dict:
+    """The share of a normal step the training thread spent blocked (`BlockedClock`:
+    communication that compute did not hide, waiting for a slower rank included): the
+    median of blocked seconds over step seconds across this rank's normal steps (neither
+    metered nor one of the first `SETUP_STEPS`) and its spread; None without a clock."""
+    normal = [
+        r["comm_blocked_s"] / r["step_time_s"]
+        for r in history[SETUP_STEPS:]
+        if not r.get("comm_metered") and r.get("comm_blocked_s") is not None
+        if r["step_time_s"] > 0
+    ]
+    return {
+        "comm_blocked_fraction": statistics.median(normal) if normal else None,
+        "comm_blocked_fraction_spread": [min(normal), max(normal)] if normal else None,
+        "comm_blocked_steps": len(normal),
+        "comm_blocked_method": blocked.method if blocked is not None else None,
     }
 
 
