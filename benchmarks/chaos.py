@@ -38,6 +38,7 @@ def main():
         "20 random engine kills during a checkpointed run",
         __doc__.split("\n\n", 2)[2].split("\n\nTarget")[0],
         repeats=1,
+        measures=["nbpar/pool", "nbpar/bench", "nbpar/train", "benchmarks/chaos.py"],
         config={
             "engines": 2,
             **base,

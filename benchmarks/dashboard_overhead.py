@@ -5,9 +5,9 @@
 One pool, warmed with a 2-step run each way. Each pair times ``pool.train(cfg)`` of
 N steps from the call until ``result()`` returns, once with the dashboard following
 the run exactly as a notebook shows it (the widget built, `Dashboard.start()`: a
-thread that reads the records and sends the browser the new steps every 0.5 s; with
-no browser here the messages go nowhere after being built), once without; the pairs
-alternate which goes first. Both sides run on the same live pool.
+thread that reads the records and sends the browser the new steps every 0.8 s, its
+``poll_s``; with no browser here the messages go nowhere after being built), once
+without; the pairs alternate which goes first. Both sides run on the same live pool.
 
 Target: the median over pairs of (following / not) <= 1.02.
 Writes results/dashboard_overhead.json.
@@ -63,6 +63,13 @@ def main():
         "run wall time, live dashboard following vs not",
         __doc__.split("\n\n", 2)[2].split("\n\nTarget")[0],
         repeats=args.pairs,
+        measures=[
+            "nbpar/view",
+            "nbpar/pool",
+            "nbpar/train",
+            "nbpar/measure",
+            "benchmarks/dashboard_overhead.py",
+        ],
         config={"engines": 2, "steps": args.steps, "micro_batch": args.micro_batch, **SIZES},
     )
     with nbpar.Pool(2) as pool:

@@ -113,6 +113,14 @@ def main():
         "nbpar DDP vs a plain torchrun script, same steps",
         __doc__.split("\n\n", 2)[2].split("\n\nTarget")[0],
         repeats=args.pairs,
+        measures=[
+            "nbpar/pool",
+            "nbpar/train",
+            "nbpar/measure",
+            "nbpar/parallel",
+            "benchmarks/plain_ddp.py",
+            "benchmarks/ddp_vs_torchrun.py",
+        ],
         config={
             "engines": args.engines,
             "steps": args.steps,

@@ -52,6 +52,14 @@ def main():
         "engines (hybrid: 4); the relative error of the measured param, grad and "
         "optimizer bytes against the estimate, for the rank furthest from it.",
         repeats=1,
+        measures=[
+            "nbpar/measure",
+            "nbpar/parallel",
+            "nbpar/train",
+            "nbpar/estimate.py",
+            "nbpar/ds_partition.py",
+            "benchmarks/memory_vs_estimate.py",
+        ],
         config={"engines": 2, "steps": 3, "micro_batch": 4, "model": "tiny_gpt"},
         notes="memory is deterministic: one run per case; a figure is the largest "
         "|relative error| over the cases of one backend",

@@ -42,6 +42,7 @@ def main() -> None:
         "seconds per workshop notebook, top to bottom in a fresh kernel",
         __doc__.split("\n\n", 2)[2].split("\n\nWrites")[0],
         repeats=args.repeats,
+        measures=["notebooks", "nbpar", "benchmarks/notebook_times.py"],
         config={"notebooks": [p.name for p in paths]},
         notes="one figure per notebook; the pools they start are part of the time",
     )

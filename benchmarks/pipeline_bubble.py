@@ -42,6 +42,12 @@ def main():
         f"measured {args.schedule} bubble vs (p-1)/(m+p-1), p=2",
         __doc__.split("\n\n", 2)[2].split("\n\nWrites")[0],
         repeats=args.repeats,
+        measures=[
+            "nbpar/parallel",
+            "nbpar/measure",
+            "nbpar/train",
+            "benchmarks/pipeline_bubble.py",
+        ],
         config={
             "engines": 2,
             "schedule": args.schedule,

@@ -49,6 +49,12 @@ def main():
         f"stage-0 activation memory, 1F1B vs GPipe, p=2, m={args.m}",
         __doc__.split("\n\n", 2)[2].split("\n\nWrites")[0],
         repeats=args.repeats,
+        measures=[
+            "nbpar/parallel",
+            "nbpar/measure",
+            "nbpar/train",
+            "benchmarks/pipeline_memory.py",
+        ],
         config={
             "engines": 2,
             "m": args.m,

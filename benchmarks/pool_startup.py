@@ -87,6 +87,7 @@ def main():
         "pool start-up and cell round trips vs raw ipyparallel",
         __doc__.split("\n\n", 2)[2].split("\n\nTargets")[0],
         repeats=args.repeats,
+        measures=["nbpar/pool", "benchmarks/pool_startup.py"],
         config={"engines": args.engines, "cells_per_repeat": args.cells},
     )
     for i in range(args.repeats):

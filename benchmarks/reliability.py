@@ -67,6 +67,7 @@ def main():
         "engine kill, pool restart, hung cell (2 engines)",
         __doc__.split("\n\n", 2)[2].split("\n\nWrites")[0],
         repeats=args.repeats,
+        measures=["nbpar/pool", "nbpar/bench", "benchmarks/reliability.py"],
         config={"engines": 2, "cell_timeout_s": 2},
     )
     with nbpar.Pool(2) as pool:

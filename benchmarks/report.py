@@ -6,7 +6,10 @@
 README.md holds, per section, ``<!-- bench:begin NAME -->`` ... ``<!-- bench:end NAME -->``;
 everything between them is this script's output: one row per figure of a results file,
 with its median, spread (min-max over n repeats), target, and the date, CPU, cores and
-load it was measured under; then how each benchmark measured. Nothing else is touched.
+load it was measured under; then how each benchmark measured. A figure the prose states
+is marked where it stands, ``<!-- fig BENCHMARK: LABEL -->2.23 s<!-- /fig -->``, and
+written from the same file (its median), so no sentence can keep an old figure. Nothing
+else is touched.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ SECTIONS = {
     "training": [
         "ddp_vs_torchrun",
         "dashboard_overhead",
+        "meter_cost",
         "pipeline_bubble",
         "pipeline_memory",
         "memory_vs_estimate",
@@ -41,6 +45,7 @@ SECTIONS = {
 NOT_MEASURED = {"gpu_check": "tokens/s and MFU of a GPT in bf16 on one GPU: needs a GPU"}
 MARKER = re.compile(r"(<!-- bench:begin (\w+) -->\n)(.*?)(<!-- bench:end \2 -->)", re.S)
 DIFFERS = "differs from the results files"
+FIG = re.compile(r"(<!-- fig (\w+): (.+?) -->)(.*?)(<!-- /fig -->)", re.S)
 HEADER = (
     "| benchmark | figure | median | spread: min–max (n) | target | measured on |\n"
     "|---|---|---|---|---|---|"
@@ -61,9 +66,11 @@ def why_missing(name: str) -> str:
 
 def where(data: dict) -> str:
     load = data["load_avg"]
+    busy = "" if data.get("load_ok", True) else " (**busy machine: not to be trusted**)"
     return (
         f"{data['date'][:16].replace('T', ' ')} UTC, {data['cpu_model']}, "
-        f"{data['cores']} cores, load {load['start']:.1f}-{load['end']:.1f}"
+        f"{data['cores']} cores, load {load['start']:.1f}-{load['end']:.1f}{busy}, "
+        f"commit {(data.get('commit') or '?')[:7]}"
     )
 
 
@@ -96,7 +103,9 @@ def render(section: str, results: dict[str, dict]) -> str:
         "`make bench-results`, one file per benchmark); do not edit by hand. Each figure",
         "is the median over the repeats of one run of its benchmark, with the lowest and",
         "highest value and how many; ratios are measured side by side in that run; the",
-        "load is the machine's 1-minute load average at the start and end of the run.",
+        "load is the machine's 1-minute load average at the start and end of the run (a",
+        "benchmark starts only once it is under half the cores), and the commit is the code",
+        "measured (tests/test_bench_results.py fails when that code changed since).",
         "",
         HEADER,
     ]
@@ -122,7 +131,16 @@ def rewrite(text: str, results: dict[str, dict]) -> str:
             raise ValueError(f"README marker names an unknown section {m.group(2)!r}")
         return m.group(1) + render(m.group(2), results) + m.group(4)
 
-    return MARKER.sub(sub, text)
+    return FIG.sub(lambda m: m.group(1) + figure(results, m) + m.group(5), MARKER.sub(sub, text))
+
+
+def figure(results: dict[str, dict], m: re.Match) -> str:
+    """The median of the figure an inline ``<!-- fig NAME: LABEL -->`` marker names."""
+    name, label = m.group(2), m.group(3)
+    figs = {f["label"]: f for f in (results.get(name) or {}).get("figures", [])}
+    if label not in figs:
+        raise ValueError(f"README names a figure {name}: {label!r} that no results file has")
+    return number(figs[label]["median"], figs[label]["unit"])
 
 
 def check(readme: Path = README, root: Path = RESULTS) -> list[str]:
@@ -143,6 +161,17 @@ def check(readme: Path = README, root: Path = RESULTS) -> list[str]:
             found.append(f"{readme.name}: no <!-- bench:begin {section} --> ... end markers")
         elif sound and marked[section] != render(section, results):
             found.append(f"{readme.name}: section {section!r} {DIFFERS} (run `make bench-report`)")
+    for m in FIG.finditer(text) if sound else ():
+        try:
+            said = figure(results, m)
+        except ValueError as err:
+            found.append(str(err))
+            continue
+        if m.group(4) != said:
+            found.append(
+                f"{readme.name}: the prose says {m.group(4)!r} for {m.group(2)}: "
+                f"{m.group(3)!r}, which {DIFFERS} ({said}; run `make bench-report`)"
+            )
     return found
 
 

@@ -6,10 +6,21 @@ writes ``results/<name>.json``:
     {"name", "title", "method", "date" (UTC ISO), "cpu_model", "cores", "torch",
      "commit" (the checkout's HEAD, "+dirty" when nbpar/ or benchmarks/ had changes),
      "load_avg": {"start", "end"} (1-minute load average of the machine),
+     "load_ok" (the load at the start left the cores to the benchmark, `quiet`),
+     "measures" (the paths of the code it measures: `stale` compares them with "commit"),
      "seconds" (the benchmark's run time), "repeats", "config", "notes",
      "figures": [{"label", "unit", "median", "min", "max", "n", "values", "target",
                   "meets"}],
      "rows": [raw measurements, one per repeat or case]}
+
+A benchmark starts on a quiet machine or not at all: `Recorder` waits (up to
+`QUIET_WAIT_S`) for the 1-minute load average to fall to `QUIET_LOAD` per core, and
+the benchmark refuses to start on a busier one (``NBPAR_BENCH_ALLOW_BUSY=1`` runs it and
+writes its file marked ``"load_ok": false``, which the README shows beside it); a
+figure measured while other work took the cores measures that work, not nbpar.
+A results file knows its code: `stale` lists the files under its ``measures`` paths that
+changed after its ``commit`` (tests/test_bench_results.py fails on any), so a figure
+cannot outlive the code it describes.
 
 A figure is the median over its repeats and its spread (min and max, n values);
 a target is written ``"<= 1.05"`` (or ``<``, ``>=``, ``>``) and judged on the median.
@@ -30,6 +41,7 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().with_name("results")
+ROOT = RESULTS.parent.parent
 REQUIRED = (
     "name",
     "title",
@@ -39,6 +51,9 @@ REQUIRED = (
     "cores",
     "torch",
     "load_avg",
+    "load_ok",
+    "commit",
+    "measures",
     "repeats",
     "config",
     "figures",
@@ -48,9 +63,29 @@ _OPS = {"<=": operator.le, "<": operator.lt, ">=": operator.ge, ">": operator.gt
 FIGURE_KEYS = ("label", "unit", "median", "min", "max", "n", "values", "target", "meets")
 
 
+#: 1-minute load average per core under which a machine counts as quiet
+QUIET_LOAD = 0.5
+#: how long a benchmark waits for a quiet machine before it starts anyway (and is refused)
+QUIET_WAIT_S = 180.0
+
+
 def load_avg() -> float:
     """The machine's 1-minute load average (how busy the cores were)."""
     return round(os.getloadavg()[0], 2)
+
+
+def quiet(limit: float | None = None, wait_s: float | None = None, poll_s: float = 5.0) -> bool:
+    """Wait until the load average is at most ``limit`` per core (`QUIET_LOAD`; the
+    previous benchmark's load dies away within a minute or two); False if it still is not
+    after ``wait_s`` (`QUIET_WAIT_S`)."""
+    limit = QUIET_LOAD if limit is None else limit
+    cores = os.cpu_count() or 1
+    deadline = time.monotonic() + (QUIET_WAIT_S if wait_s is None else wait_s)
+    while load_avg() > limit * cores:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True
 
 
 class Recorder:
@@ -63,14 +98,26 @@ class Recorder:
         method: str,
         *,
         repeats: int,
+        measures: list[str],
         config: dict | None = None,
         notes: str = "",
     ):
         self.name, self.title, self.method = name, title, " ".join(method.split())
         self.repeats, self.config, self.notes = repeats, dict(config or {}), notes
+        missing = [p for p in measures if not (ROOT / p).exists()]
+        if not measures or missing:
+            raise ValueError(f"{name}: measures must name existing paths, not {missing}")
+        self.measures = list(measures)
         self.figures: list[dict] = []
         self.rows: list[dict] = []
+        self.load_ok = quiet()
         self.load_start = load_avg()
+        if not self.load_ok and os.environ.get("NBPAR_BENCH_ALLOW_BUSY") != "1":
+            raise SystemExit(
+                f"{name}: the machine is busy (load average {self.load_start} on "
+                f"{os.cpu_count()} cores); its figures would measure that work. Run it on a "
+                "quiet machine, or set NBPAR_BENCH_ALLOW_BUSY=1 to write one marked load_ok: false"
+            )
         self.started = time.monotonic()
 
     def figure(
@@ -92,6 +139,8 @@ class Recorder:
             "method": self.method,
             **environment(),
             "load_avg": {"start": self.load_start, "end": load_avg()},
+            "load_ok": self.load_ok,
+            "measures": self.measures,
             "seconds": round(time.monotonic() - self.started, 1),
             "repeats": self.repeats,
             "config": self.config,
@@ -137,19 +186,42 @@ def meets(value: float, target: str | None) -> bool | None:
     return _OPS[op](value, float(bound))
 
 
-def commit(root: Path = RESULTS.parent.parent) -> str | None:
-    """The commit the measured code is at: HEAD, "+dirty" when nbpar/ or benchmarks/
-    differ from it (None outside a git checkout)."""
+def _git(root: Path, *args) -> str | None:
     import subprocess
 
-    def git(*args):
-        out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
-        return out.stdout.strip() if out.returncode == 0 else None
+    out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+    return out.stdout.strip() if out.returncode == 0 else None
 
-    head = git("rev-parse", "HEAD")
+
+def stale(data: dict, root: Path = ROOT) -> list[str]:
+    """The files under ``data["measures"]`` that differ from its ``commit`` (committed
+    later or changed in the working tree): empty when the file describes this code. A
+    file measured on a dirty tree, or on a commit this history lacks, is stale whole."""
+    commit_ = data.get("commit") or ""
+    if not commit_ or commit_.endswith("+dirty"):
+        return [f"measured on {commit_ or 'no commit'}: not a committed tree"]
+    if _git(root, "cat-file", "-e", f"{commit_}^{{commit}}") is None:
+        return [f"commit {commit_[:12]} is not in this history"]
+    changed = _git(root, "diff", "--name-only", commit_, "--", *data["measures"])
+    return changed.splitlines() if changed else []
+
+
+def commit(root: Path = ROOT) -> str | None:
+    """The commit the measured code is at: HEAD, "+dirty" when nbpar/ or benchmarks/
+    differ from it (None outside a git checkout)."""
+    head = _git(root, "rev-parse", "HEAD")
     if head is None:
         return None
-    dirty = git("status", "--porcelain", "--", "nbpar", "benchmarks", ":!benchmarks/results")
+    dirty = _git(
+        root,
+        "status",
+        "--porcelain",
+        "--",
+        "nbpar",
+        "benchmarks",
+        "notebooks",
+        ":!benchmarks/results",
+    )
     return head + ("+dirty" if dirty else "")
 
 

@@ -8,15 +8,18 @@ split between compute and communication change, not a speed-up.
 
 Each round starts a fresh pool per engine count (the order reverses between rounds)
 and trains tiny_gpt for ``--steps`` steps at a global batch of 16 (1 engine: strategy
-single); a run's figures are rank 0's median tokens/s and its mean share of the step
-spent in communication, steps 6 on. Threads per engine are nbpar's default (the
-host's cores shared out between its engines: 2, 1 and 1 here), recorded per run; an
-engine with 2 threads suffers most when other work keeps the cores busy.
+single); a run's figures are rank 0's median tokens/s, steps 6 on, and its median share
+of a normal step blocked on communication (`comm_blocked_fraction`: exposed and
+waiting). Threads per engine are nbpar's default (the host's cores shared out between
+its engines: 2, 1 and 1 here), recorded per run and as figures beside the core count; an
+engine with 2 threads suffers most when other work keeps the cores busy. A benchmark
+starts only on a quiet machine (`results.quiet`).
 
 Writes results/scaling.json.
 """
 
 import argparse
+import os
 import statistics
 
 from results import Recorder
@@ -50,7 +53,9 @@ def one(engines: int, steps: int) -> dict:
         "torch_threads": threads,
         "step_time_s": statistics.median(r["step_time_s"] for r in hist),
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in hist),
-        "comm_fraction": statistics.fmean(r["comm_s"] / r["step_time_s"] for r in hist),
+        # blocked on communication (exposed and waiting, `nbpar.measure.blocked`): rank 0's
+        "blocked_fraction": run.per_rank()[0]["comm_blocked_fraction"],
+        "cores": os.cpu_count(),
     }
 
 
@@ -64,6 +69,13 @@ def main():
         "tiny GPT DDP, global batch 16, 1 / 2 / 4 engines",
         __doc__.split("\n\n", 3)[3].split("\n\nWrites")[0],
         repeats=args.repeats,
+        measures=[
+            "nbpar/pool",
+            "nbpar/train",
+            "nbpar/measure",
+            "nbpar/parallel",
+            "benchmarks/scaling.py",
+        ],
         config={
             "engines": list(ENGINES),
             "global_batch": GLOBAL_BATCH,
@@ -85,11 +97,15 @@ def main():
     for engines in ENGINES[1:]:
         mine = [r for r in rec.rows if r["engines"] == engines]
         rec.figure(
-            f"communication share of the step, {engines} engines",
-            [100 * r["comm_fraction"] for r in mine],
+            f"blocked share of the step, {engines} engines",
+            [100 * r["blocked_fraction"] for r in mine],
             "%",
             digits=3,
         )
+    for engines in ENGINES:  # what the tokens/s above ran on
+        mine = [r for r in rec.rows if r["engines"] == engines]
+        rec.figure(f"torch threads per engine, {engines}", [r["torch_threads"] for r in mine])
+    rec.figure("cores", [os.cpu_count()])
     rec.save()
 
 

@@ -58,6 +58,12 @@ def main():
         "measured 1F1B step of 4 micro-batches (1 x 512 tokens); wall and CPU time of "
         "the call and the processes' peak RSS.",
         repeats=args.repeats,
+        measures=[
+            "nbpar/simulate",
+            "nbpar/estimate.py",
+            "nbpar/measure",
+            "benchmarks/simulate_scale.py",
+        ],
         config={
             "world_size": 1024,
             "model": "hf:llama",

@@ -166,11 +166,80 @@ def test_generated_rows_have_six_cells():
         assert line.replace("\\|", "").count("|") == 7, line
 
 
-@pytest.mark.spawn  # asks git
-def test_a_new_results_file_records_the_commit_it_measured(tmp_path):
+def _git(root: Path, *args) -> str:
     import subprocess
 
-    rec = results.Recorder("probe", "a probe", "counted", repeats=1)
+    return subprocess.run(
+        ["git", *args], cwd=root, capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def _shallow() -> bool:
+    return _git(ROOT, "rev-parse", "--is-shallow-repository") == "true"
+
+
+@pytest.mark.spawn  # asks git
+def test_every_results_file_describes_the_code_it_measures():
+    """No figure outlives its code: each file's `measures` paths are as they were at
+    the commit it measured (a change since, committed or not, makes it stale)."""
+    if _shallow():
+        pytest.skip("a shallow clone has no history to compare the commits with")
+    for name, data in results.read_all().items():
+        assert results.stale(data) == [], f"{name} is stale: re-run benchmarks/{name}.py"
+
+
+@pytest.mark.spawn  # builds a small git repository
+def test_a_stale_results_file_is_caught(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "pkg").mkdir(parents=True)
+    (repo / "other").mkdir()
+    _git(repo, "init", "-q")
+    _git(repo, "config", "user.email", "t@example.org")
+    _git(repo, "config", "user.name", "t")
+    (repo / "pkg" / "code.py").write_text("x = 1\n")
+    (repo / "other" / "notes.txt").write_text("a\n")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-qm", "code")
+    data = {"commit": _git(repo, "rev-parse", "HEAD"), "measures": ["pkg"]}
+    assert results.stale(data, repo) == []
+    (repo / "other" / "notes.txt").write_text("b\n")  # not what it measures
+    _git(repo, "commit", "-qam", "notes")
+    assert results.stale(data, repo) == []
+    (repo / "pkg" / "code.py").write_text("x = 2\n")
+    assert results.stale(data, repo) == ["pkg/code.py"]  # changed in the working tree
+    _git(repo, "commit", "-qam", "faster")
+    assert results.stale(data, repo) == ["pkg/code.py"]  # and committed
+    assert results.stale({**data, "commit": data["commit"] + "+dirty"}, repo)
+    assert results.stale({**data, "commit": "0" * 40}, repo)  # not in this history
+    assert results.stale({**data, "commit": None}, repo)
+
+
+def test_a_benchmark_on_a_busy_machine_refuses_or_is_marked(monkeypatch, tmp_path):
+    cores = results.os.cpu_count() or 1
+    monkeypatch.setattr(results, "load_avg", lambda: 4.0 * cores)
+    monkeypatch.setattr(results, "QUIET_WAIT_S", 0.0)
+    monkeypatch.delenv("NBPAR_BENCH_ALLOW_BUSY", raising=False)
+    with pytest.raises(SystemExit, match="busy"):
+        results.Recorder("probe", "a probe", "counted", repeats=1, measures=["nbpar"])
+    monkeypatch.setenv("NBPAR_BENCH_ALLOW_BUSY", "1")
+    rec = results.Recorder("probe", "a probe", "counted", repeats=1, measures=["nbpar"])
+    assert rec.load_ok is False
+    monkeypatch.setattr(results, "commit", lambda: "f" * 40)
+    rec.figure("x", [1.0], unit="s")
+    data = json.loads(rec.save(tmp_path).read_text())
+    assert data["load_ok"] is False and data["measures"] == ["nbpar"]
+    assert "busy machine" in report.where(data)
+    with pytest.raises(ValueError, match="measures"):
+        results.Recorder("probe", "a probe", "counted", repeats=1, measures=["no/such/path"])
+
+
+@pytest.mark.spawn  # asks git
+def test_a_new_results_file_records_the_commit_it_measured(tmp_path, monkeypatch):
+    import subprocess
+
+    monkeypatch.setattr(results, "QUIET_WAIT_S", 0.0)
+    monkeypatch.setenv("NBPAR_BENCH_ALLOW_BUSY", "1")
+    rec = results.Recorder("probe", "a probe", "counted", repeats=1, measures=["nbpar"])
     rec.figure("x", [1.0, 2.0, 3.0], unit="s")
     rec.row(x=1.0)
     data = json.loads(rec.save(tmp_path).read_text())
