@@ -324,6 +324,12 @@ def _human_estimate(out: dict) -> str:
     )
 
 
+RING_NOTE = (
+    "ring/step: bytes a rank sends under the ring algorithm, counted at the c10d call "
+    "(one metered step), not bytes measured on the wire"
+)
+
+
 def _human_train(out: dict) -> str:
     """A table for people: per-rank memory, step time, communication, final loss."""
     from nbpar.estimate import format_bytes_or_dash as size
@@ -341,7 +347,7 @@ def _human_train(out: dict) -> str:
         f"final loss {out['losses'][-1]:.4f}, step {out['step_time_s'] * 1e3:.1f} ms, {comm}"
         + ("" if out.get("bubble_fraction") is None else f", bubble {out['bubble_fraction']:.0%}"),
         f"{'rank':>4} {'params':>10} {'grads':>10} {'optimizer':>10} {'activations':>11} "
-        f"{'peak':>10} {'process':>10} {'sent/step':>10}",
+        f"{'peak':>10} {'process':>10} {'ring/step':>10}",
     ]
     for r in out["ranks"]:
         parts = " ".join(f"{size(r[k]):>10}" for k in MEMORY_PARTS)
@@ -352,6 +358,7 @@ def _human_train(out: dict) -> str:
         )
     if out.get("timing_note"):  # whether the times above can be trusted on this machine
         lines.append(out["timing_note"])
+    lines.append(RING_NOTE)
     return "\n".join(lines)
 
 

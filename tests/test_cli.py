@@ -124,8 +124,10 @@ def test_train_for_people_shows_progress_and_a_table():
         "activations",
         "peak",
         "process",
-        "sent/step",
+        "ring/step",
     ]
     assert [line.split()[0] for line in lines[2:4]] == ["0", "1"]
     assert lines[4].startswith("timings ") and lines[4].endswith("memory and bytes are exact")
+    # the bytes column named for what it is: counted at the c10d call, not on the wire
+    assert lines[5].startswith("ring/step: bytes a rank sends under the ring algorithm, counted")
     assert "4/4" in out.stderr and "100%" in out.stderr  # the progress bar, on stderr

@@ -57,7 +57,9 @@ class StepRecord(_StepRequired, total=False):
     comm_blocked_s: float | None  # seconds the training thread was blocked in the step
     # a metered step (`nbpar.train.loop.is_metered`); it runs slower, every op in Python
     comm_metered: bool  # True: the figures below were measured on this step
-    comm_bytes: int  # bytes this rank sent in the step, every collective together
+    # ring bytes: bytes a rank sends under the ring algorithm, counted at the c10d call
+    # (each op's tensor sizes x its ring factor, `nbpar.measure.comm`), not wire bytes
+    comm_bytes: int  # ring bytes of the step, every collective together
     comm_bytes_by_op: dict[str, int]  # the same by kind of collective
     comm_in_flight_s: float  # seconds with a collective in flight
     exposed_comm_s: float  # of those, seconds no compute hid once every rank joined
@@ -88,7 +90,7 @@ class RankResult(_Ranked, ModelStates):
     activation_bytes: int | None  # the first metered step's; None without one
     memory_error: str | None  # why the memory meter failed on that step, else None
     step_time_s: float  # a normal step: the median of the unmetered steps, seconds
-    comm_bytes: int | None  # bytes sent in the last metered step; None without one
+    comm_bytes: int | None  # ring bytes (`StepRecord`) of the last metered step; None without one
     comm_bytes_by_op: dict[str, int] | None  # the same by kind of collective
     # the median metered step by in-flight time: seconds in flight, exposed, waiting
     comm_s: float | None
@@ -122,7 +124,7 @@ class ResultRank(_Ranked, ModelStates):
     a `RankResult`'s figures, without its history and machine."""
 
     peak_bytes: int
-    comm_bytes: int | None
+    comm_bytes: int | None  # ring bytes: a rank sends under the ring algorithm, at the c10d call
     comm_bytes_by_op: dict[str, int] | None
     comm_s: float | None
     exposed_comm_s: float | None

@@ -29,7 +29,7 @@ COLUMNS = (
     ("comm_fraction", "comm"),
     ("exposed_comm_fraction", "exposed"),
     ("comm_wait_fraction", "waiting"),
-    ("comm_bytes", "sent/step/rank"),
+    ("comm_bytes", "ring bytes/step/rank (c10d)"),
     ("final_loss", "final loss"),
 )
 FONT = 11  # points: the figure is shown about its own width, so this is what you read
@@ -135,9 +135,10 @@ class Comparison:
         return self._figure
 
     def relative(self, baseline: str) -> list[dict]:
-        """Each run's model states, peak and bytes sent per step next to the ``baseline``
-        run's (a label): ``states_share`` and ``peak_share`` are row / baseline, ``comm_ratio``
-        bytes sent / baseline's (None where a run counted none). Byte ratios are exact; the
+        """Each run's model states, peak and ring bytes per step (bytes a rank sends under
+        the ring algorithm, counted at the c10d call) next to the ``baseline`` run's (a
+        label): ``states_share`` and ``peak_share`` are row / baseline, ``comm_ratio`` ring
+        bytes / baseline's (None where a run counted none). Byte ratios are exact; the
         exposed communication share, a timing, is carried along as measured."""
         rows = {row["label"]: row for row in self.table}
         if baseline not in rows:
