@@ -1,4 +1,4 @@
-"""The nbpar command: train, estimate, simulate, project and bench launch, each with --json.
+"""The nbpar command: train, estimate, simulate, project, compare, bench launch; all --json.
 
 With ``--json`` exactly one JSON object goes to stdout. Bad arguments exit
 with code 2 and one line on stderr, before anything starts.
@@ -153,6 +153,20 @@ def build_parser() -> _Parser:
         pj.add_argument(f"--{flag}", type=_positive_float, default=None)
     pj.add_argument("--json", action="store_true")
 
+    c = sub.add_parser(
+        "compare", help="finished runs side by side, from `nbpar train --json` files"
+    )
+    c.add_argument(
+        "results", nargs="+", metavar="RESULT.json", help="what `nbpar train --json` printed"
+    )
+    c.add_argument(
+        "--project",
+        default=None,
+        metavar="HARDWARE",
+        help="add each run's step on this machine, estimated (nbpar project --list-hardware)",
+    )
+    c.add_argument("--json", action="store_true")
+
     from nbpar.simulate.cli import add_parser as add_simulate_parser
 
     add_simulate_parser(sub, _positive_int, _positive_float)
@@ -279,6 +293,104 @@ def cmd_project(args) -> dict:
     return {**est.to_json(), "table": est.table()}
 
 
+def cmd_compare(args) -> dict:
+    """`nbpar.compare` of result files: {"runs": rows, "warnings", "table"}; with --project
+    each row's `nbpar.project` on that hardware under row["projected"], apart."""
+    from nbpar.hardware import lookup
+    from nbpar.view.compare import compare
+
+    try:  # an unknown name stops here, before any file is read
+        hw = lookup(args.project) if args.project is not None else None
+    except ValueError as err:
+        raise UsageError(f"--project: {err}") from None
+    results = [_read_result(path) for path in args.results]
+    try:
+        cmp = compare(results)
+    except (ValueError, TypeError) as err:
+        raise UsageError(str(err)) from None
+    out = {"runs": cmp.table, "warnings": cmp.warnings}
+    if hw is not None:
+        out["projected"] = _project_rows(cmp.table, results, hw)
+    return {**out, "table": _compare_table(str(cmp), out)}
+
+
+def _read_result(path: str) -> dict:
+    """One `nbpar train --json` result from a file; a usage error that names the file."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as err:
+        raise UsageError(f"{path}: {err.strerror}") from None
+    except json.JSONDecodeError as err:
+        raise UsageError(
+            f"{path}: not JSON ({err.msg}, line {err.lineno}); expected `nbpar train --json`"
+        ) from None
+
+
+def model_params(config: dict) -> int:
+    """The parameter count of a result's model, built on the meta device (no weights)."""
+    import torch
+
+    from nbpar.config import TrainConfig
+    from nbpar.model.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(TrainConfig.from_dict(config))
+    return sum(p.numel() for p in model.parameters())
+
+
+def _project_rows(rows: list[dict], results: list[dict], hw) -> dict:
+    """Set each row's ``projected`` to its run's `nbpar.project` on ``hw`` (None, with
+    ``projected_error`` the line why, where it cannot be projected); the hardware and
+    the assumptions of them all, each once."""
+    from nbpar.project import project
+
+    notes: list[str] = []
+    for row, res in zip(rows, results):
+        try:
+            est = project(res, hw, params=model_params(res["config"]))
+        except (ValueError, TypeError) as err:
+            row["projected"], row["projected_error"] = None, str(err)
+            continue
+        row["projected"] = {**est.to_json(), "hardware": hw.name}
+        notes += est.assumptions
+    return {"hardware": hw.name, "description": hw.describe(), "assumptions": notes}
+
+
+def _compare_table(measured: str, out: dict) -> str:
+    """The measured table; with a projection its estimate columns after a bar, the rows
+    it could not project, and its assumptions once."""
+    proj = out.get("projected")
+    if proj is None:
+        return measured
+    from nbpar.project import describe_assumptions
+
+    lines = measured.splitlines()
+    table, warnings = lines[: 1 + len(out["runs"])], lines[1 + len(out["runs"]) :]
+    cells = [(f"est. step on {proj['hardware']} (s)", "est. exposed")]
+    cells += [("-", "-") if r["projected"] is None else _estimate_cells(r) for r in out["runs"]]
+    widths = [max(len(c[i]) for c in cells) for i in (0, 1)]
+    width = max(map(len, table))
+    rows = [
+        f"{m.ljust(width)}  |  {a.rjust(widths[0])}  {b.rjust(widths[1])}"
+        for m, (a, b) in zip(table, cells)
+    ]
+    rows += warnings
+    rows += [
+        f"est.: {r['label']}: {r['projected_error']}" for r in out["runs"] if r["projected"] is None
+    ]
+    rows.append(f"est. = estimated by nbpar.project, not measured, on {proj['description']}")
+    if proj["assumptions"]:
+        rows += ["assumptions:", describe_assumptions(proj["assumptions"])]
+    return "\n".join(rows)
+
+
+def _estimate_cells(row: dict) -> tuple[str, str]:
+    """A row's estimated step (seconds) and exposed communication share, as printed."""
+    p = row["projected"]
+    return f"{p['step_s']:.3g}", f"{p['exposed_share']:.1%}"
+
+
 def cmd_simulate(args) -> dict:
     from nbpar.simulate.cli import run
 
@@ -302,6 +414,8 @@ def _human(command: str, out: dict) -> str:
         return human(out)
     if command == "estimate":
         return _human_estimate(out)
+    if command == "compare":
+        return out["table"]
     if command == "project":
         return out.get("table") or "\n".join(h["description"] for h in out["hardware"])
     if command == "train":
@@ -372,6 +486,7 @@ def main(argv=None) -> int:
             "bench": cmd_bench,
             "simulate": cmd_simulate,
             "project": cmd_project,
+            "compare": cmd_compare,
         }
         out = handler[args.command](args)
     except UsageError as err:

@@ -122,7 +122,7 @@ class Projection:
             + f" (healthy: under {HEALTHY_SHARE:.0%})",
             "assumptions:",
         ]
-        return "\n".join(rows + [_WRAP.fill(a) for a in self.assumptions])
+        return "\n".join(rows + [describe_assumptions(self.assumptions)])
 
     __str__ = table
 
@@ -133,6 +133,11 @@ class Projection:
 
 _WRAP = textwrap.TextWrapper(96, initial_indent="  - ", subsequent_indent="    ")
 _WRAP.break_on_hyphens = False
+
+
+def describe_assumptions(notes) -> str:
+    """Assumptions as the table prints them, one wrapped bullet each, repeats once."""
+    return "\n".join(_WRAP.fill(a) for a in dict.fromkeys(notes))
 
 
 def _bad(field: str, message: str) -> ConfigError:
