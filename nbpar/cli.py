@@ -451,6 +451,10 @@ def _human_train(out: dict) -> str:
 
     cfg = out["config"]
     comm = f"communication in flight {out['comm_fraction']:.0%} of the metered step"
+    if out.get("comm_blocked_fraction") is not None:  # every normal step, measured
+        comm = (
+            f"blocked on communication {out['comm_blocked_fraction']:.0%} of a normal step, {comm}"
+        )
     if out.get("exposed_comm_fraction") is not None:  # the metered step's split
         comm += f" (exposed {out['exposed_comm_fraction']:.0%}"
         if out.get("comm_wait_fraction") is not None:

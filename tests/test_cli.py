@@ -116,6 +116,7 @@ def test_train_for_people_shows_progress_and_a_table():
     # in flight, and of it what compute did not hide and the wait for a slower rank
     assert "communication in flight " in lines[0] and "(exposed " in lines[0]
     assert ", waiting for a slower rank " in lines[0]
+    assert "blocked on communication " in lines[0] and "% of a normal step" in lines[0]
     assert lines[1].split() == [
         "rank",
         "params",

@@ -198,3 +198,23 @@ def test_relative_without_counted_bytes():
     a, b = compare([ddp, zero]).relative("ddp/torch")
     assert a["comm_ratio"] is None and b["comm_ratio"] is None
     assert b["states_share"] == 12 / 16
+
+
+def test_the_blocked_share_of_a_normal_step_is_a_column_a_tick_and_a_line():
+    """The every-step figure (`comm_blocked_fraction`) travels from the result to the
+    table, the figure's exposed panel and `describe`; a result without it shows '-'."""
+    from nbpar.view.compare import describe
+
+    ddp, zero = _runs()
+    with_clock = {**ddp.result(), "comm_blocked_fraction": 0.37}
+    without = {**zero.result(), "comm_blocked_fraction": None}
+    cmp = compare([with_clock, without])
+    assert [row["comm_blocked_fraction"] for row in cmp.table] == [0.37, None]
+    table = repr(cmp).splitlines()
+    end = table[0].index("blocked") + len("blocked")  # cells are right-aligned
+    assert table[1][end - 3 : end] == "37%" and table[2][end - 1 : end] == "-"
+    comm = cmp.figure.axes[2]
+    tick = next(line for line in comm.get_lines() if line.get_marker() == "_")
+    assert list(tick.get_xdata()) == [0] and list(tick.get_ydata()) == [0.37]
+    assert "blocked 37% of a normal step" in describe(with_clock)[2]
+    assert "blocked" not in describe(without)[2]

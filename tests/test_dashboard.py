@@ -300,6 +300,17 @@ def test_plot_step_split_static():
     assert [p.get_y() + p.get_height() for p in compute] == pytest.approx([1.0, 1.0])
     assert [p.get_y() for p in wait] == [p.get_height() for p in exposed]
     assert [t.get_text() for t in ax.texts[:2]] == [f"{window[r]:.3g} s" for r in (0, 1)]
+    # the tick on each bar: the blocked share of a normal step, the median over the steps
+    # after the first two, metered ones left out (step 2 is metered: steps 3 only)
+    tick = next(line for line in ax.get_lines() if line.get_marker() == "_")
+    normal = {r: [x for x in g[3:]] for r, g in groups.items()}
+    assert all(not x.get("comm_metered") for g in normal.values() for x in g)
+    expected = [0.6 * g[0]["comm_s"] / g[0]["step_time_s"] for g in normal.values()]
+    assert list(tick.get_xdata()) == [0, 1]
+    assert list(tick.get_ydata()) == pytest.approx(expected)
+    note = live(run).chart.notes["step"]
+    assert "blocked on communication in a normal step (every step): rank 0 " in note
+    assert f"rank 1 {expected[1]:.0%}" in note
 
 
 def test_step_split_is_empty_before_the_first_metered_step():

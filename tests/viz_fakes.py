@@ -25,7 +25,8 @@ def record(
     (``loss`` as published: the same on every rank after averaging; ``local=True`` adds
     each rank's own ``local_loss``; ``metered=True`` the metered step's in-flight time
     ``comm_s``, half of it exposed and a quarter waiting for the other rank, in a
-    metered step three times as long as a normal one)."""
+    metered step three times as long as a normal one; every step was blocked on
+    communication for 60% of ``comm_s``, as `nbpar.measure.blocked` times it)."""
     step_s = 0.05 + 0.001 * step + 0.01 * rank
     samples = 16 / step_s
     extra = {"local_loss": 5.0 / (1 + step) + 0.1 * (rank - 0.5)} if local else {}
@@ -38,6 +39,7 @@ def record(
         "compute_s": step_s - comm_s,
         "comm_s": comm_s,
         "exposed_comm_s": comm_s / 2,
+        "comm_blocked_s": 0.6 * comm_s,
         "samples_per_s": samples,
         "tokens_per_s": samples * 32 if tokens else None,
         "param_bytes": (4 + rank) * MB,

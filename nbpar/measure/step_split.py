@@ -16,6 +16,9 @@ from __future__ import annotations
 import statistics
 
 SHARES = ("comm_fraction", "exposed_comm_fraction", "comm_wait_fraction")
+#: Steps at the start of a run left out of its blocked share (one-off set-up: FSDP's lazy
+#: init, DDP's bucket rebuild)
+SETUP_STEPS = 2
 SECONDS = ("comm_in_flight_s", "exposed_comm_s", "comm_wait_s")
 
 
@@ -39,3 +42,21 @@ def share_summary(records: list[dict]) -> dict:
         out[f"{key}_spread"] = [min(values), max(values)] if values else None
     out["comm_metered_steps"] = len(rows)
     return out
+
+
+def blocked_shares(records: list[dict]) -> list[float]:
+    """Each normal step's seconds blocked on communication over its own seconds
+    (`nbpar.measure.blocked`), for one rank's ``records`` in step order: the first
+    `SETUP_STEPS` and the metered steps left out, and steps without the clock (a GPU)."""
+    return [
+        r["comm_blocked_s"] / r["step_time_s"]
+        for r in records[SETUP_STEPS:]
+        if not r.get("comm_metered") and r.get("comm_blocked_s") is not None
+        if r.get("step_time_s", 0) > 0
+    ]
+
+
+def blocked_share(records: list[dict]) -> float | None:
+    """The median of `blocked_shares` (None when no step had the clock)."""
+    shares = blocked_shares(records)
+    return statistics.median(shares) if shares else None

@@ -32,7 +32,7 @@ from nbpar.measure.comm import CommMeter, exchange_launches
 from nbpar.measure.memtrack import StepMemory
 from nbpar.measure.metrics import CommTimer, memory_snapshot, step_peak_bytes
 from nbpar.measure.records import MEMORY_PARTS, RankResult, StepRecord
-from nbpar.measure.step_split import share_summary
+from nbpar.measure.step_split import blocked_shares, share_summary
 from nbpar.model.data import build_loader
 from nbpar.model.models import build_model
 from nbpar.parallel import build_runner
@@ -104,8 +104,6 @@ METER_EVERY = 20
 #: Whether each step times the training thread's blocked seconds (`BlockedClock`); only
 #: `benchmarks/meter_cost.py` turns it off, to measure what it costs.
 BLOCKED_CLOCK = True
-#: Steps at the start of a run left out of its blocked share (one-off set-up, as above).
-SETUP_STEPS = 2
 
 
 def is_metered(step: int, start: int, steps: int) -> bool:
@@ -268,13 +266,9 @@ def _blocked_summary(history: list[StepRecord], blocked) -> dict:
     """The share of a normal step the training thread spent blocked (`BlockedClock`:
     communication that compute did not hide, waiting for a slower rank included): the
     median of blocked seconds over step seconds across this rank's normal steps (neither
-    metered nor one of the first `SETUP_STEPS`) and its spread; None without a clock."""
-    normal = [
-        r["comm_blocked_s"] / r["step_time_s"]
-        for r in history[SETUP_STEPS:]
-        if not r.get("comm_metered") and r.get("comm_blocked_s") is not None
-        if r["step_time_s"] > 0
-    ]
+    metered nor one of the first two, `step_split.blocked_shares`) and its spread; None
+    without a clock."""
+    normal = blocked_shares(history)
     return {
         "comm_blocked_fraction": statistics.median(normal) if normal else None,
         "comm_blocked_fraction_spread": [min(normal), max(normal)] if normal else None,

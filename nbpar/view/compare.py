@@ -26,6 +26,7 @@ COLUMNS = (
     ("grad_bytes", "grads/rank"),
     ("optim_bytes", "optim/rank"),
     ("step_time_s", "step time"),
+    ("comm_blocked_fraction", "blocked"),
     ("comm_fraction", "comm"),
     ("exposed_comm_fraction", "exposed"),
     ("comm_wait_fraction", "waiting"),
@@ -95,6 +96,7 @@ def summarize(obj, label: str | None = None) -> dict:
     row["comm_bytes"] = max(sent) if sent else None
     row.update(
         step_time_s=res["step_time_s"],
+        comm_blocked_fraction=res.get("comm_blocked_fraction"),
         comm_fraction=res["comm_fraction"],
         exposed_comm_fraction=res.get("exposed_comm_fraction"),
         comm_wait_fraction=res.get("comm_wait_fraction"),
@@ -229,6 +231,20 @@ def _figure(rows: list[dict]):
     if any(wait):  # waiting for a slower rank, stacked on the exposed share
         axes[2].bar(x, wait, bottom=exposed, color="tab:orange", label="waiting for a rank")
         axes[2].legend(fontsize=FONT - 2)
+    blocked = [(i, r["comm_blocked_fraction"]) for i, r in enumerate(rows)]
+    blocked = [(i, b) for i, b in blocked if b is not None]
+    if blocked:  # a normal step's blocked share (every step), a tick on each bar
+        axes[2].plot(
+            [i for i, _ in blocked],
+            [b for _, b in blocked],
+            ls="none",
+            marker="_",
+            ms=24,
+            mew=2.5,
+            color="k",
+            label="blocked, a normal step",
+        )
+        axes[2].legend(fontsize=FONT - 2)
     axes[2].axhline(0.2, ls="--", color="k", lw=1)
     return fig
 
@@ -264,10 +280,11 @@ def describe(res: dict) -> list[str]:
         lines.append(
             f"loss {losses[0]:.4f} -> {losses[-1]:.4f} (all {len(losses)} values: ['losses'])"
         )
-    timing = (
-        f"step time {_fmt('step_time_s', res['step_time_s'])}, communication "
-        f"{_fmt('comm_fraction', res['comm_fraction'])}"
-    )
+    timing = f"step time {_fmt('step_time_s', res['step_time_s'])}, "
+    if res.get("comm_blocked_fraction") is not None:
+        timing += f"blocked {_fmt('comm_blocked_fraction', res['comm_blocked_fraction'])} "
+        timing += "of a normal step; metered step: "
+    timing += f"communication {_fmt('comm_fraction', res['comm_fraction'])}"
     if res.get("exposed_comm_fraction") is not None:
         timing += f" ({_fmt('exposed_comm_fraction', res['exposed_comm_fraction'])} exposed"
         if res.get("comm_wait_fraction") is not None:

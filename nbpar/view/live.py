@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from nbpar.estimate import format_bytes
 from nbpar.measure.records import memory_key, model_state_bytes, model_states
+from nbpar.measure.step_split import blocked_share
 from nbpar.view.history import COMM_HEALTH, comm_split
 
 WAITING = "waiting for the first step"
@@ -117,6 +118,10 @@ def build_spec(ranks: list[int], first: list[dict]) -> dict:
     }
 
 
+#: what a rank's blocked share needs of each record (kept, not the whole record)
+BLOCKED_KEYS = ("step_time_s", "comm_blocked_s", "comm_metered")
+
+
 class LiveFeed:
     """New complete steps of a run, as chart columns; ``notes`` say the latest numbers."""
 
@@ -126,6 +131,8 @@ class LiveFeed:
         self._last = {r: None for r in self.ranks}  # last step read per rank
         self._pending: dict[int, dict[int, dict]] = {}
         self._metered: dict[int, dict] = {}  # rank -> its latest metered step record
+        # rank -> its step records' blocked seconds and step seconds (for its blocked share)
+        self._normal: dict[int, list[dict]] = {r: [] for r in self.ranks}
         self._peak = dict.fromkeys(self.ranks, 0)
         self.latest: dict[int, dict] = {}
         self.times: tuple | None = None  # (first, latest) record time read
@@ -168,6 +175,7 @@ class LiveFeed:
         for rank, rec in zip(self.ranks, recs):
             if rec.get("comm_metered"):
                 self._metered[rank] = rec
+            self._normal[rank].append({k: rec.get(k) for k in BLOCKED_KEYS})
         # communication as the latest metered step measured it, carried forward
         exposed = [(self._metered.get(r) or {}).get("exposed_comm_s") for r in self.ranks]
         step = [r.get("step_time_s") for r in recs] + exposed
@@ -192,6 +200,10 @@ class LiveFeed:
                 self._peak[rank], rec.get(spec["memory_key"]) or 0, rec.get("peak_bytes") or 0
             )
 
+    def _blocked(self, rank: int) -> float | None:
+        """The rank's blocked share of a normal step so far (`step_split.blocked_share`)."""
+        return blocked_share(self._normal[rank])
+
     def notes(self) -> dict[str, str]:
         """One line under each panel with the latest numbers (empty before the first step)."""
         if not self.latest:
@@ -202,8 +214,19 @@ class LiveFeed:
             if r in self._metered:
                 exposed, _, _, step = comm_split([self._metered[r]])
                 shares[r] = exposed / step if step > 0 else 0.0
-        busy = [r for r, s in shares.items() if s > COMM_HEALTH]
+        blocked = {r: self._blocked(r) for r in ranks}
+        blocked = {r: b for r, b in blocked.items() if b is not None}
+        judged = blocked or shares  # every step's figure where there is one
+        busy = [r for r, s in judged.items() if s > COMM_HEALTH]
         comm = " · ".join(f"rank {r} {s:.0%}" for r, s in shares.items()) or "not metered yet"
+        if blocked:
+            comm = (
+                "blocked on communication in a normal step (every step): "
+                + " · ".join(f"rank {r} {b:.0%}" for r, b in blocked.items())
+                + f"; exposed share of the metered step: {comm}"
+            )
+        else:
+            comm = f"exposed share of the metered step: {comm}"
         states = " · ".join(
             f"rank {r}: "
             + ", ".join(f"{k} {format_bytes(v)}" for k, v in model_states(self.latest[r]).items())
@@ -218,7 +241,7 @@ class LiveFeed:
         return {
             "loss": loss,
             "step": "dark: the step, light: its exposed communication (latest metered step); "
-            f"exposed share of the metered step: {comm}"
+            + comm
             + (f" (above {COMM_HEALTH:.0%}: worth a look)" if busy else ""),
             "throughput": "the whole run's rate, set by the slowest rank"
             + (f"; latest {rate:,.0f} {spec['throughput_key'][:-6]}/s" if rate else ""),

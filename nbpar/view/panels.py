@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from nbpar.estimate import format_bytes
 from nbpar.measure.records import held_bytes
+from nbpar.measure.step_split import blocked_share
 from nbpar.view.history import COMM_HEALTH, comm_split, memory_parts, throughput
 from nbpar.view.live import global_loss
 
@@ -169,6 +170,17 @@ class SplitPanel:
         self.health = ax.axhline(
             COMM_HEALTH, ls="--", color="k", lw=1, label=f"{COMM_HEALTH:.0%} exposed"
         )
+        # each rank's blocked share of a normal step (every step, `nbpar.measure.blocked`)
+        (self.blocked_line,) = ax.plot(
+            [],
+            [],
+            ls="none",
+            marker="_",
+            ms=28,
+            mew=2.5,
+            color="k",
+            label="blocked, a normal step (every step)",
+        )
         self.texts = [ax.text(i, 1.01, "", ha="center", va="bottom", fontsize="small") for i in x]
         ax.set_xticks(list(x), [f"rank {r}" for r in self.ranks])
         ax.set_ylim(0, 1.75)  # room for the legend above the bars
@@ -181,7 +193,13 @@ class SplitPanel:
         """rank -> (exposed_s, wait_s, hidden_s, step_s) as drawn."""
         return {r: comm_split(groups.get(r, [])) for r in self.ranks}
 
+    def blocked(self, groups) -> dict[int, float | None]:
+        """rank -> its blocked share of a normal step (the tick), None without the clock."""
+        return {r: blocked_share(groups.get(r, [])) for r in self.ranks}
+
     def set(self, groups) -> None:
+        ticks = [(i, b) for i, b in enumerate(self.blocked(groups).values()) if b is not None]
+        self.blocked_line.set_data([i for i, _ in ticks], [b for _, b in ticks])
         for i, (*parts, step) in enumerate(self.seconds(groups).values()):
             shares = [p / step if step > 0 else 0.0 for p in parts]
             heights = {

@@ -156,7 +156,8 @@ def plot_step_split(run_or_history, ax=None):
     """Each rank's latest metered step split into exposed communication, waiting for a
     slower rank, communication hidden by compute and compute alone, as shares of that
     step (measured, never scaled: `nbpar.measure.step_split`), with the 20% exposed
-    line; the step's seconds above each bar."""
+    line; the step's seconds above each bar, and a black tick at the rank's blocked share
+    of a normal step (measured on every step, `nbpar.measure.blocked`)."""
     groups = by_rank(as_history(run_or_history))
     panel = SplitPanel(_axes(ax), list(groups))
     panel.set(groups)
