@@ -229,7 +229,7 @@ def test_cli_for_people_prints_tables(capsys):
     )
     assert "fits in 80.0 GB: yes" in lines[0]
     assert lines[1].split() == [
-        "ranks", "params", "grads", "optimizer", "activations", "peak", "sent/step"
+        "ranks", "params", "grads", "optimizer", "activations", "peak", "ring/step"
     ]  # fmt: skip
     # one row per simulated role, labelled by the ranks it stands for, with the figures
     assert [line.split()[0] for line in lines[2:]] == ["0-1", "2-3"]

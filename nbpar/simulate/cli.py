@@ -139,7 +139,7 @@ def human(out: dict) -> str:
     lines = [
         head,
         f"{'ranks':>12} {'params':>10} {'grads':>10} {'optimizer':>10} {'activations':>11} "
-        f"{'peak':>10} {'sent/step':>10}",
+        f"{'peak':>10} {'ring/step':>10}",
     ]
     for r in out["ranks"]:
         parts = " ".join(f"{size(r[k]):>10}" for k in MEMORY_PARTS)

@@ -46,7 +46,7 @@ class Simulation(dict):
             f"(dp {cfg['dp']} x tp {cfg['tp']} x pp {cfg['pp']}), {cfg['precision']}, "
             f"micro-batch {cfg['micro_batch']}: simulated in {self['seconds']:.0f} s",
             f"{'ranks':>12} {'params':>9} {'grads':>9} {'optimizer':>9} "
-            f"{'activ.':>9} {'peak':>9} {'sent/step':>9}",
+            f"{'activ.':>9} {'peak':>9} {'ring/step':>9}",
         ]
         for r in self["ranks"]:
             lines.append(
@@ -70,7 +70,8 @@ class Simulation(dict):
 
 def simulate(cfg, world_size: int, *, device_memory_gb: float | None = None) -> Simulation:
     """Simulate ``cfg`` on ``world_size`` ranks; per role: params, grads, optimizer state,
-    activations, temporaries, communication buffers, peak, bytes sent per step by op.
+    activations, temporaries, communication buffers, peak, ring bytes per step by op
+    (what a rank sends under the ring algorithm, counted at the c10d call).
 
     ``device_memory_gb`` (decimal GB, as `nbpar.estimate`) adds ``fits`` and
     ``margin_bytes`` (device memory minus the largest simulated peak).

@@ -285,8 +285,8 @@ def _idle_record(runner, ctx: RankContext) -> dict:
 
 
 def _comm_summary(history, metered, comm) -> dict:
-    """The run's communication: bytes this rank sent in one training step (the latest
-    metered one), by kind of op; seconds with an op in flight, the part no compute hid
+    """The run's communication: bytes this rank sends under the ring algorithm, counted at
+    the c10d call, in one training step (the latest metered one), by kind of op; seconds with an op in flight, the part no compute hid
     once every rank had joined (exposed), and the part spent waiting for a slower rank to
     join (wait), from the metered step with the median in-flight time; and each as a share
     of its metered step, the median over the metered steps with its spread
