@@ -1,17 +1,28 @@
 """Pipeline timelines: the measured bubble and a Gantt chart of one step.
 
 An event is ``dict(stage, microbatch, kind "F"|"B", start, end)`` (seconds from
-the step start; pipeline runners add ``rank``, the pp rank that ran it). The
-bubble is the idle share of the pipeline's devices over the step (GPipe,
-Huang et al. 2019): ``1 - busy / (p * makespan)``; theory says (p-1)/(m+p-1).
+the step start; pipeline runners add ``rank``, the pp rank that ran it, and
+``stall``, see `mark_stalls`). The bubble is the idle share of the pipeline's
+devices over the step (GPipe, Huang et al. 2019): ``1 - busy / (p * makespan)``;
+theory says (p-1)/(m+p-1). `StepTimelines` picks the typical step of a run to draw.
 Only matplotlib is imported here, lazily, so this module is cheap to import.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+import statistics
+from collections import defaultdict, deque
 
-F_COLOR, B_COLOR = "#4C72B0", "#DD8452"
+F_COLOR, B_COLOR, STALL_COLOR = "#4C72B0", "#DD8452", "#C44E52"
+
+#: A box lasting more than STALL_FACTOR x the median of its stage's boxes of its kind is
+#: a stall (another process took the core, a page fault, the allocator): not the schedule.
+STALL_FACTOR = 3.0
+#: A run's first steps carry one-off set-up (stage shapes inferred, buffers allocated).
+SETUP_STEPS = 2
+#: The normal steps a run's timeline keeps (the latest), and the fewest a typical step
+#: is picked from before it is called typical.
+KEEP_STEPS, MIN_STEPS = 15, 5
 
 
 def theory_bubble(p: int, m: int, v: int = 1) -> float:
@@ -30,24 +41,83 @@ def _row(event: dict) -> int:
     return event.get("rank", event["stage"])
 
 
-def bubble_fraction(events: list[dict], p: int) -> float:
+def _length(event: dict) -> float:
+    return event["end"] - event["start"]
+
+
+def _makespan(events: list[dict]) -> float:
+    return max(e["end"] for e in events) - min(e["start"] for e in events) if events else 0.0
+
+
+def mark_stalls(events: list[dict], reference: list[dict] | None = None) -> list[dict]:
+    """Copies of ``events``, each with ``stall``: whether it lasted more than
+    `STALL_FACTOR` x the median length of the boxes of its stage and kind in
+    ``reference`` (default ``events``); a stall also gets ``typical_s``, that median.
+
+    Per stage and kind, not overall: the last stage holds the head and the loss and a
+    backward is about two forwards, so one overall median would call a whole slower
+    stage a stall. ``reference`` (a runner passes every kept step's boxes) gives a stage
+    with one or two micro-batches a median to compare with.
+    """
+    lengths = defaultdict(list)
+    for e in events if reference is None else reference:
+        lengths[(e["stage"], e["kind"])].append(_length(e))
+    typical = {key: statistics.median(values) for key, values in lengths.items()}
+    marked = []
+    for e in events:
+        median = typical.get((e["stage"], e["kind"]), 0.0)
+        stall = median > 0 and _length(e) > STALL_FACTOR * median
+        marked.append({**e, "stall": stall, **({"typical_s": median} if stall else {})})
+    return marked
+
+
+def _merged(intervals) -> list[tuple[float, float]]:
+    """``intervals`` as sorted disjoint (start, end) pairs, overlaps joined."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        elif b > a:
+            out.append((a, b))
+    return out
+
+
+def without_stalls(events: list[dict]) -> list[dict]:
+    """``events`` with each stall's time past its ``typical_s`` cut from the step, on
+    every device: the time axis closes over each cut, so a stall box lasts its typical
+    length and the boxes after it move up (boxes overlapping a cut shrink by the overlap).
+    What every device waited while one stalled is left out with the stall. Unmarked
+    timelines come back as they are."""
+    cuts = _merged((e["start"] + e["typical_s"], e["end"]) for e in events if e.get("stall"))
+    if not cuts:
+        return events
+
+    def moved(t: float) -> float:
+        return t - sum(min(b, t) - a for a, b in cuts if t > a)
+
+    return [dict(e, start=moved(e["start"]), end=moved(e["end"])) for e in events]
+
+
+def bubble_fraction(events: list[dict], p: int, *, with_stalls: bool = False) -> float:
     """Measured idle fraction of ``p`` pipeline devices over the step.
 
     ``1 - sum(end - start) / (p * makespan)``, makespan = last end - first
-    start over all events. 0.0 for an empty timeline.
+    start over all events. 0.0 for an empty timeline. Boxes marked ``stall``
+    (`mark_stalls`) are left out (`without_stalls`) unless ``with_stalls``.
     """
     if p < 1:
         raise ValueError(f"p must be >= 1, got {p}")
     if not events:
         return 0.0
-    busy = sum(e["end"] - e["start"] for e in events)
-    makespan = max(e["end"] for e in events) - min(e["start"] for e in events)
+    events = events if with_stalls else without_stalls(events)
+    busy = sum(_length(e) for e in events)
+    makespan = _makespan(events)
     if makespan <= 0:
         return 0.0
     return min(1.0, max(0.0, 1.0 - busy / (p * makespan)))
 
 
-def schedule_bubble(events: list[dict], p: int) -> float:
+def schedule_bubble(events: list[dict], p: int, *, with_stalls: bool = False) -> float:
     """The bubble the schedule itself forces, with the stage times this step measured.
 
     Replays the step: every rank runs its F and B boxes in the order it ran them, each
@@ -57,12 +127,14 @@ def schedule_bubble(events: list[dict], p: int) -> float:
     stages of equal length as well; this replay keeps the real stage lengths, so
     ``measured - schedule_bubble`` is what send/recv and per-micro-batch work between
     boxes added, and ``schedule_bubble - theory`` what unequal stages added. A lower
-    bound of the measured bubble by construction.
+    bound of the measured bubble by construction; stalls are left out of both alike
+    (`without_stalls`) unless ``with_stalls``.
     """
     if p < 1:
         raise ValueError(f"p must be >= 1, got {p}")
     if not events:
         return 0.0
+    events = events if with_stalls else without_stalls(events)
     order: dict[int, list[dict]] = defaultdict(list)
     for e in sorted(events, key=lambda e: e["start"]):
         order[_row(e)].append(e)
@@ -104,7 +176,8 @@ def plot_timeline(events: list[dict], ax=None, *, p: int | None = None, m: int |
     ``matplotlib.figure.Figure`` is made (no pyplot state, safe under Agg).
     ``p``/``m`` default to the rows and micro-batches seen in ``events``;
     rows holding several (interleaved) stages label boxes ``stage:microbatch``.
-    Returns the Figure.
+    Boxes marked ``stall`` are hatched with a red edge; the title's bubble leaves
+    them out and names the bubble with them. Returns the Figure.
     """
     if ax is None:
         from matplotlib.figure import Figure
@@ -119,10 +192,10 @@ def plot_timeline(events: list[dict], ax=None, *, p: int | None = None, m: int |
         y = rows.index(_row(e))
         labels[y].add(e["stage"])
         color = F_COLOR if e["kind"] == "F" else B_COLOR
-        width = e["end"] - e["start"]
-        ax.barh(
-            y, width, left=e["start"], height=0.8, color=color, edgecolor="black", linewidth=0.5
-        )
+        edge = dict(hatch="///", edgecolor=STALL_COLOR, linewidth=1.5) if e.get("stall") else {}
+        edge = {"edgecolor": "black", "linewidth": 0.5} | edge
+        width = _length(e)
+        ax.barh(y, width, left=e["start"], height=0.8, color=color, **edge)
         text = (
             str(e["microbatch"]) if len(rows) == len(stages) else f"{e['stage']}:{e['microbatch']}"
         )
@@ -135,19 +208,89 @@ def plot_timeline(events: list[dict], ax=None, *, p: int | None = None, m: int |
     ax.set_xlabel("seconds since step start")
     v = max(1, len(stages) // p)
     formula = "(p-1)/(m+p-1)" if v == 1 else f"(p-1)/({v}m+p-1)"
+    stalls = sum(1 for e in events if e.get("stall"))
+    with_stalls = (
+        f" ({bubble_fraction(events, p, with_stalls=True):.2f} with {stalls} "
+        f"stall{'s' * (stalls > 1)})"
+        if stalls
+        else ""
+    )
     ax.set_title(
-        f"bubble measured {bubble_fraction(events, p):.2f}, "
+        f"bubble measured {bubble_fraction(events, p):.2f}{with_stalls}, "
         f"theory {formula} = {theory_bubble(p, m, v):.2f}"
     )
     from matplotlib.patches import Patch
 
-    ax.legend(
-        handles=[Patch(color=F_COLOR, label="forward"), Patch(color=B_COLOR, label="backward")],
-        loc="upper left",
-        bbox_to_anchor=(1.0, 1.0),
-        fontsize=8,
-    )
+    handles = [Patch(color=F_COLOR, label="forward"), Patch(color=B_COLOR, label="backward")]
+    stall = Patch(facecolor="white", edgecolor=STALL_COLOR, hatch="///", label="stall")
+    handles += [stall] if stalls else []
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     return ax.figure
+
+
+class StepTimelines:
+    """A run's recent step timelines, and its typical step: the one to draw and measure.
+
+    ``add(events, metered=...)`` after every step. The first `SETUP_STEPS` (one-off
+    set-up) and metered steps (every op through a Python dispatch mode, several times
+    slower) are counted, not kept; the latest `KEEP_STEPS` normal ones are kept.
+
+    The typical step is the kept step whose makespan is closest to their median (the
+    later on a tie), rather than a step of per-box medians: medians of each box's start
+    and end make a step that never ran (a device's boxes may overlap, a box may start
+    before its input exists), while the step nearest the median did run, so its boxes,
+    its bubble and its Gantt chart agree. Its boxes are marked against every kept step's
+    boxes of their stage and kind (`mark_stalls`). Before any normal step it is the
+    latest set-up step (``typical`` False in `about`); never a metered step.
+    """
+
+    def __init__(self, keep: int = KEEP_STEPS):
+        self.normal: deque[tuple[int, list[dict]]] = deque(maxlen=keep)  # (step, events)
+        self.setup: tuple[int, list[dict]] | None = None  # the latest set-up step's
+        self.metered: deque[int] = deque(maxlen=keep)  # the latest metered steps
+        self.steps = 0  # steps added
+        self._picked: tuple[int | None, list[dict]] | None = None
+
+    def add(self, events: list[dict], *, metered: bool) -> None:
+        """Count one step; keep its ``events`` (copied) if it is a normal one."""
+        step, self.steps, self._picked = self.steps, self.steps + 1, None
+        if metered:
+            self.metered.append(step)
+        elif step < SETUP_STEPS:
+            self.setup = (step, list(events))
+        else:
+            self.normal.append((step, list(events)))
+
+    def _pick(self) -> tuple[int | None, list[dict]]:
+        if self._picked is None:
+            if not self.normal:
+                step, events = self.setup or (None, [])
+                self._picked = (step, mark_stalls(events))
+            else:
+                spans = [_makespan(events) for _, events in self.normal]
+                median = statistics.median(spans)
+                i = min(range(len(spans)), key=lambda i: (abs(spans[i] - median), -i))
+                step, events = self.normal[i]
+                reference = [e for _, kept in self.normal for e in kept]
+                self._picked = (step, mark_stalls(events, reference))
+        return self._picked
+
+    def typical(self) -> list[dict]:
+        """The typical step's events, each marked ``stall`` True or False."""
+        return list(self._pick()[1])
+
+    def about(self) -> dict:
+        """Which step `typical` is: ``step`` (steps counted from 0 as added; None before
+        any), ``typical`` (picked from at least `MIN_STEPS` normal steps), ``normal_steps``
+        (how many it was picked from), ``metered`` (the latest metered steps), ``stalls``."""
+        step, events = self._pick()
+        return {
+            "step": step,
+            "typical": len(self.normal) >= MIN_STEPS,
+            "normal_steps": len(self.normal),
+            "metered": list(self.metered),
+            "stalls": sum(e["stall"] for e in events),
+        }
 
 
 def clock_offset(group=None, rounds: int = 8) -> float:
