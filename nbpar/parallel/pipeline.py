@@ -23,6 +23,7 @@ from torch.distributed.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from nbpar.measure import timeline as _timeline
 from nbpar.model.plan import plan_of, require
@@ -165,10 +166,10 @@ class PipelineRunner(StepRunner):
     """Runs one schedule step per optimizer step on this rank's stage(s).
 
     ``train_step`` returns the mean micro-batch loss, broadcast from the last
-    stage so every pp rank returns the same number. ``timeline()`` is the last
-    step's events of all pp ranks (gathered after each step), in seconds from
-    pp rank 0's step start; other ranks' clocks are mapped onto rank 0's with
-    an offset measured once at construction (``timeline.clock_offset``).
+    stage so every pp rank returns the same number. ``timeline()`` and the bubbles
+    are the run's typical step (`timeline.StepTimelines`) of all pp ranks, in seconds
+    from pp rank 0's step start; other ranks' clocks are mapped onto rank 0's with an
+    offset measured once at construction (``timeline.clock_offset``).
     """
 
     def __init__(
@@ -197,7 +198,8 @@ class PipelineRunner(StepRunner):
         self.pp_size = dist.get_world_size(pp_group)
         self.pp_rank = dist.get_rank(pp_group)
         self.dp_group = dp_group
-        self._events, self._clock, self._timeline = events, clock, []
+        self._events, self._clock = events, clock
+        self.timelines = _timeline.StepTimelines()
         self._last_rank = dist.get_global_rank(pp_group, self.pp_size - 1)
         self._clock[0] = _timeline.clock_offset(pp_group)
         self.activations = stages[0].activations
@@ -228,6 +230,8 @@ class PipelineRunner(StepRunner):
         last = any(s.is_last for s in self.stages)
         self._events.clear()
         self.activations.reset()
+        # a metered step runs every op through a Python dispatch mode (`CommMeter`)
+        metered = _get_current_dispatch_mode() is not None
         dist.barrier(group=self.pp_group)
         t0 = time.perf_counter() - self._clock[0]
         losses: list = []
@@ -243,34 +247,44 @@ class PipelineRunner(StepRunner):
             else torch.zeros((), dtype=torch.float32, device=x.device)
         )
         dist.broadcast(loss, src=self._last_rank, group=self.pp_group)
-        self._gather_timeline(t0)
+        self._gather_timeline(t0, metered)
         return loss
 
-    def _gather_timeline(self, t0: float) -> None:
-        """Collect every pp rank's spans, relative to pp rank 0's step start."""
+    def _gather_timeline(self, t0: float, metered: bool) -> None:
+        """Add every pp rank's spans, from pp rank 0's step start, to ``timelines``."""
         gathered: list = [None] * self.pp_size
-        dist.all_gather_object(gathered, (t0, self._events), group=self.pp_group)
+        dist.all_gather_object(gathered, (t0, self._events, metered), group=self.pp_group)
         start = gathered[0][0]
-        self._timeline = sorted(
+        events = sorted(
             (
                 dict(e, rank=r, start=e["start"] - start, end=e["end"] - start)
-                for r, (_, events) in enumerate(gathered)
+                for r, (_, events, _) in enumerate(gathered)
                 for e in events
             ),
             key=lambda e: (e["rank"], e["start"]),
         )
+        self.timelines.add(events, metered=any(m for _, _, m in gathered))
 
     def timeline(self) -> list[dict]:
-        """Events of the last step on every pp rank: stage, rank, microbatch, kind, start, end."""
-        return list(self._timeline)
+        """Events of the typical step on every pp rank: stage, rank, microbatch, kind,
+        start, end, stall (`timeline.mark_stalls`); which step: ``timelines.about()``."""
+        return self.timelines.typical()
 
-    def bubble_fraction(self) -> float:
-        """Measured idle share of the pp ranks over the last step."""
-        return _timeline.bubble_fraction(self._timeline, self.pp_size)
+    def _bubble(self, measure, **kwargs) -> float | None:
+        events = self.timelines.typical()  # empty: no step yet, or only metered ones
+        return measure(events, self.pp_size, **kwargs) if events else None
 
-    def schedule_bubble_fraction(self) -> float:
-        """The part of it the schedule forces with these stage times (no gaps)."""
-        return _timeline.schedule_bubble(self._timeline, self.pp_size)
+    def bubble_fraction(self) -> float | None:
+        """Measured idle share of the pp ranks over the typical step, stalls left out."""
+        return self._bubble(_timeline.bubble_fraction)
+
+    def bubble_fraction_with_stalls(self) -> float | None:
+        """The same step's measured idle share with its stalls as they ran."""
+        return self._bubble(_timeline.bubble_fraction, with_stalls=True)
+
+    def schedule_bubble_fraction(self) -> float | None:
+        """The part of it the schedule forces with these stage times (no gaps, no stalls)."""
+        return self._bubble(_timeline.schedule_bubble)
 
 
 def build_stages(chunks, pp_rank, pp_size, virtual, pp_group, device, autocast_dtype):
