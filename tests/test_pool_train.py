@@ -116,18 +116,26 @@ def test_cli_train_json_contract():
 
 
 def test_pipeline_run_reports_its_bubble(pool):
-    res = pool.train(
+    run = pool.train(
         nbpar.TrainConfig(
             model="tiny_gpt",
             strategy="pipeline",
             schedule="gpipe",
             micro_batch=2,
             grad_accum=4,
-            steps=3,
+            steps=8,
         )
-    ).result()
-    assert len(res["losses"]) == 3
+    )
+    res = run.result()
+    assert len(res["losses"]) == 8
     assert 1 / 5 - 0.02 <= res["bubble_fraction"] < 1  # GPipe p=2, m=4: at least 1/5 idle
+    # a typical normal step (never the metered one nor a set-up step), stalls apart
+    assert res["bubble_fraction"] <= res["bubble_fraction_with_stalls"] + 1e-12 < 1
+    for rank, out in run.per_rank().items():
+        about = out["bubble_step"]
+        assert about["typical"] and about["normal_steps"] >= 5, about
+        assert about["metered"] == [2] and about["step"] not in (0, 1, 2), about
+        assert not out["history"][about["step"]].get("comm_metered")
 
 
 @pytest.mark.parametrize(

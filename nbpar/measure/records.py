@@ -89,7 +89,9 @@ class RankResult(_Ranked, ModelStates):
     process_peak_bytes: int  # peak resident memory of the process over this run
     activation_bytes: int | None  # the first metered step's; None without one
     memory_error: str | None  # why the memory meter failed on that step, else None
-    step_time_s: float  # a normal step: the median of the unmetered steps, seconds
+    # a normal step: the median of the unmetered steps after the first two (all the
+    # unmetered ones in a shorter run), seconds
+    step_time_s: float
     comm_bytes: int | None  # ring bytes (`StepRecord`) of the last metered step; None without one
     comm_bytes_by_op: dict[str, int] | None  # the same by kind of collective
     # the median metered step by in-flight time: seconds in flight, exposed, waiting
@@ -113,8 +115,12 @@ class RankResult(_Ranked, ModelStates):
     comm_blocked_fraction_spread: list[float] | None
     comm_blocked_steps: int  # how many steps the share is the median of
     comm_blocked_method: str | None  # "schedstat", or "thread_time" (core waits counted)
-    bubble_fraction: float | None  # pipeline: measured idle share of the pp ranks
+    # pipeline: measured idle share of the pp ranks in a typical normal step, its stalls
+    # left out (`nbpar.measure.timeline`)
+    bubble_fraction: float | None
     schedule_bubble_fraction: float | None  # pipeline: the part its schedule forces
+    bubble_fraction_with_stalls: float | None  # pipeline: the same step, stalls as they ran
+    bubble_step: dict | None  # pipeline: which step: step, typical, normal_steps, metered, stalls
     history: list[StepRecord]  # every step record of this rank, in step order
     machine: MachineUsage  # the host over the steps: the timings' verdict reads it
 

@@ -13,13 +13,15 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict, deque
 
+# a run's first steps carry one-off set-up (for a pipeline: stage shapes inferred,
+# buffers allocated); the rule is the loop's, in one place
+from nbpar.measure.step_split import SETUP_STEPS
+
 F_COLOR, B_COLOR, STALL_COLOR = "#4C72B0", "#DD8452", "#C44E52"
 
 #: A box lasting more than STALL_FACTOR x the median of its stage's boxes of its kind is
 #: a stall (another process took the core, a page fault, the allocator): not the schedule.
 STALL_FACTOR = 3.0
-#: A run's first steps carry one-off set-up (stage shapes inferred, buffers allocated).
-SETUP_STEPS = 2
 #: The normal steps a run's timeline keeps (the latest), and the fewest a typical step
 #: is picked from before it is called typical.
 KEEP_STEPS, MIN_STEPS = 15, 5

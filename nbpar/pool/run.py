@@ -140,6 +140,7 @@ class Run:
         waits = measured("comm_wait_fraction")
         blocked = measured("comm_blocked_fraction")
         bubbles, forced = measured("bubble_fraction"), measured("schedule_bubble_fraction")
+        stalled = measured("bubble_fraction_with_stalls")
         reliable, note = self.timing_verdict()
         return RunResult(
             {
@@ -157,6 +158,8 @@ class Run:
                 "timing_note": note,
                 # every normal step's blocked share (`nbpar.measure.blocked`), ranks' mean
                 "comm_blocked_fraction": statistics.mean(blocked) if blocked else None,
+                # pipeline: the typical step's bubble with its stalls counted as they ran
+                "bubble_fraction_with_stalls": max(stalled) if stalled else None,
             }
         )
 

@@ -32,7 +32,7 @@ from nbpar.measure.comm import CommMeter, exchange_launches
 from nbpar.measure.memtrack import StepMemory
 from nbpar.measure.metrics import CommTimer, memory_snapshot, step_peak_bytes
 from nbpar.measure.records import MEMORY_PARTS, RankResult, StepRecord
-from nbpar.measure.step_split import blocked_shares, share_summary
+from nbpar.measure.step_split import SETUP_STEPS, blocked_shares, share_summary
 from nbpar.model.data import build_loader
 from nbpar.model.models import build_model
 from nbpar.parallel import build_runner
@@ -235,14 +235,18 @@ def _summary(history: list[StepRecord], runner, ctx: RankContext, comm) -> RankR
     last = history[-1] if history else _idle_record(runner, ctx)
     metered = [r for r in history if r.get("comm_metered")]
     first = metered[0] if metered else {}
-    # a normal step: the median of those not metered (every op through Python is slower)
+    # a normal step: the median of those neither metered (every op through Python is
+    # slower) nor one of the first two (one-off set-up), where the run had such steps
     step_s = statistics.median(
-        [r["step_time_s"] for r in history if not r.get("comm_metered")]
+        [r["step_time_s"] for r in history[SETUP_STEPS:] if not r.get("comm_metered")]
+        or [r["step_time_s"] for r in history if not r.get("comm_metered")]
         or [r["step_time_s"] for r in history]
         or [0.0]
     )
     bubble = getattr(runner, "bubble_fraction", None)
     forced = getattr(runner, "schedule_bubble_fraction", None)
+    with_stalls = getattr(runner, "bubble_fraction_with_stalls", None)
+    timelines = getattr(runner, "timelines", None)
     return {
         "rank": ctx.rank,
         "losses": [r["loss"] for r in history],
@@ -258,6 +262,10 @@ def _summary(history: list[StepRecord], runner, ctx: RankContext, comm) -> RankR
         "bubble_fraction": bubble() if callable(bubble) else None,
         # the part of the bubble the schedule forces with the measured stage times
         "schedule_bubble_fraction": forced() if callable(forced) else None,
+        # the same typical step's bubble with its stalls as they ran
+        "bubble_fraction_with_stalls": with_stalls() if callable(with_stalls) else None,
+        # which step the bubbles and timeline are: step, typical, normal_steps, metered, stalls
+        "bubble_step": timelines.about() if timelines is not None else None,
         "history": history,
     }
 
@@ -286,11 +294,12 @@ def _idle_record(runner, ctx: RankContext) -> dict:
 
 def _comm_summary(history, metered, comm) -> dict:
     """The run's communication: bytes this rank sends under the ring algorithm, counted at
-    the c10d call, in one training step (the latest metered one), by kind of op; seconds with an op in flight, the part no compute hid
-    once every rank had joined (exposed), and the part spent waiting for a slower rank to
-    join (wait), from the metered step with the median in-flight time; and each as a share
-    of its metered step, the median over the metered steps with its spread
-    (`step_split.share_summary`: measured, never scaled to a normal step). Without a
+    the c10d call, in one training step (the latest metered one), by kind of op; seconds
+    with an op in flight, the part no compute hid once every rank had joined (exposed),
+    and the part spent waiting for a slower rank to join (wait), from the metered step
+    with the median in-flight time; and each as a share of its metered step, the median
+    over the metered steps with its spread (`step_split.share_summary`: measured, never
+    scaled to a normal step). Without a
     metered step, the timer's share of all steps (what the DDP hook and the loss
     all-reduce saw)."""
     by_flight = sorted(metered, key=lambda r: r.get("comm_in_flight_s") or 0.0)
