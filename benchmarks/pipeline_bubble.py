@@ -7,7 +7,9 @@ latency and Python between ops, dominates a stage's work (tiny models on CPU are
 latency and show a much larger bubble; at d_model 256 and 4 layers the worst m was
 7.7 points off).
 Each round runs every m once (2 engines, micro-batch 2; a run's figure is the median
-of both ranks' measured bubble); the rounds alternate the order of m. The schedule's
+of both ranks' measured bubble, of the run's typical normal step with stalls left out,
+`nbpar.measure.timeline.StepTimelines`, beside it with them); the rounds alternate the
+order of m. The schedule's
 own bubble replays the step's boxes with their measured lengths and no gaps
 (`nbpar.measure.timeline.schedule_bubble`): it is what (p-1)/(m+p-1) predicts plus what
 unequal stages add, and the measured bubble minus it is what send/recv and the work
@@ -32,7 +34,7 @@ def main():
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--steps", type=int, default=8)
     p.add_argument("--schedule", default="gpipe")
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
@@ -73,18 +75,28 @@ def main():
                 per_rank = pool.train(cfg).per_rank()
                 measured = statistics.median(r["bubble_fraction"] for r in per_rank.values())
                 forced = statistics.median(r["schedule_bubble_fraction"] for r in per_rank.values())
+                stalled = [r["bubble_fraction_with_stalls"] for r in per_rank.values()]
                 rec.row(
                     repeat=i,
                     p=2,
                     m=m,
                     measured=measured,
                     forced=forced,
+                    with_stalls=statistics.median(stalled),
+                    stalls=sum(r["bubble_step"]["stalls"] for r in per_rank.values()),
+                    typical=all(r["bubble_step"]["typical"] for r in per_rank.values()),
                     theory=theory_bubble(2, m),
                     diff_points=100 * (measured - theory_bubble(2, m)),
                     forced_diff_points=100 * (forced - theory_bubble(2, m)),
                     gap_points=100 * (measured - forced),
                 )
     for m in args.micro_batches:
+        rec.figure(
+            f"bubble with stalls, m={m}",
+            [r["with_stalls"] for r in rec.rows if r["m"] == m],
+            "",
+            digits=3,
+        )
         rec.figure(
             f"bubble, m={m} (theory {theory_bubble(2, m):.3f})",
             [r["measured"] for r in rec.rows if r["m"] == m],

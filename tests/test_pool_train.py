@@ -131,7 +131,7 @@ def test_pipeline_run_reports_its_bubble(pool):
     assert 1 / 5 - 0.02 <= res["bubble_fraction"] < 1  # GPipe p=2, m=4: at least 1/5 idle
     # a typical normal step (never the metered one nor a set-up step), stalls apart
     assert res["bubble_fraction"] <= res["bubble_fraction_with_stalls"] + 1e-12 < 1
-    for rank, out in run.per_rank().items():
+    for out in run.per_rank().values():
         about = out["bubble_step"]
         assert about["typical"] and about["normal_steps"] >= 5, about
         assert about["metered"] == [2] and about["step"] not in (0, 1, 2), about
