@@ -59,7 +59,7 @@ gpt = GPTConfig(n_layers=4, d_model=128, seq_len=64)  # enough work per micro-ba
 timelines, losses = {}, {}
 for schedule in ("gpipe", "1f1b", "interleaved"):
     cfg = TrainConfig(model="tiny_gpt", strategy="pipeline", schedule=schedule,
-                      micro_batch=4, grad_accum=8, steps=3, seed=0, gpt=gpt)
+                      micro_batch=4, grad_accum=8, steps=8, seed=0, gpt=gpt)
     out = run_training(cfg, on_finish=lambda runner: timelines.update({schedule: (
         runner.timeline(), runner.peak_activation_bytes())}))
     losses[schedule] = out["losses"]
@@ -86,9 +86,15 @@ for schedule, values in losses.items():
 #
 # One row per rank, a box per micro-batch's forward (blue) and backward (orange). GPipe
 # runs all forwards, then all backwards; 1F1B starts a backward as soon as the last
-# stage can; interleaved gives each rank two smaller chunks. The title of each panel is
-# the measured bubble next to the formula. Boxes are pure compute (each starts after its
-# inputs arrived), so the white space is the bubble plus the sends between stages.
+# stage can; interleaved gives each rank two smaller chunks (boxes `stage:micro-batch`,
+# its formula `(p-1)/(v m+p-1)` with `v = 2` chunks a rank). Each panel draws a typical
+# step: of the run's normal steps (the first two carry one-off set-up, and the metered
+# one runs every op through Python), the one whose length is closest to their median.
+# Boxes are pure compute (each starts after its inputs arrived), so the white space is
+# the bubble plus the sends between stages. A box over 3x the median of its stage's
+# boxes of its kind is a stall (another process took the core), not the schedule: it is
+# hatched red, left out of the measured bubble in the title, and that bubble is given
+# with it too.
 
 # %%
 fig = Figure(figsize=(10, 7.5), layout="constrained")
@@ -127,7 +133,8 @@ assert activations["1f1b"][0] < activations["gpipe"][0]  # fewer micro-batches i
 #
 # The fix for the bubble is more micro-batches per step. A GPipe pipeline for
 # `m = 1, 2, 4, 8` (1F1B has the same bubble but needs `m >= p`), measured with
-# `pool.train` (each run reports the bubble of its last step) against `(p-1)/(m+p-1)`.
+# `pool.train` (each run reports the bubble of its typical step, stalls left out) against
+# `(p-1)/(m+p-1)`.
 # `m = 1` is naive model parallelism, the layers simply split across devices: with one
 # micro-batch only one stage works at a time, and the formula gives `(p-1)/p` idle.
 
@@ -136,7 +143,7 @@ ms = [1, 2, 4, 8]
 measured, forced = [], []
 for m in ms:
     run = pool.train(nbpar.TrainConfig(model="tiny_gpt", strategy="pipeline", schedule="gpipe",
-                                       micro_batch=4, grad_accum=m, steps=3, seed=0,
+                                       micro_batch=4, grad_accum=m, steps=8, seed=0,
                                        gpt=nbpar.GPTConfig(n_layers=4, d_model=128, seq_len=64)))
     res = run.result()
     measured.append(res["bubble_fraction"])

@@ -210,16 +210,19 @@ ax.figure
 #
 # ## 3 · Communication over 20% of the step
 #
-# A run measures, on sampled steps, the time with a collective in flight (`comm_fraction`
-# of the step) and splits the part during which the rank computed nothing into time
-# waiting for the slower rank to join the collective (`comm_wait_fraction`) and the rest
+# Every normal step measures the seconds the training thread was blocked: it neither
+# computed nor waited for a core, so it waited for communication that compute did not
+# hide, or for the slower rank to join (`comm_blocked_fraction`, the median over the
+# steps, from the kernel's clocks of the thread; it costs the step nothing one can
+# measure). That is the share the 20% rule of thumb is about. Sampled steps are also
+# metered op by op: the time with a collective in flight (`comm_fraction`), and the
+# blocked part split into waiting for the slower rank (`comm_wait_fraction`) and the rest
 # (`exposed_comm_fraction`). In flight includes communication that overlaps backward
-# (DDP's buckets all-reduce while later layers still compute); the 20% rule of thumb is
-# about the exposed share. Waiting is imbalance between ranks, not communication. All
-# three are shares of the metered step, measured in its own seconds and never scaled,
-# so parts of one whole: exposed and waiting lie within the time in flight. The metered
-# step runs slower than the others (every op passes through Python), so a normal step
-# would show more communication than these shares; they compare the two runs. A 1-sample micro-batch of the small GPT is a textbook
+# (DDP's buckets all-reduce while later layers still compute). Waiting is imbalance
+# between ranks, not communication. The metered step runs slower than the others (every
+# op passes through Python), so its shares are of that slower step: they tell in flight
+# from exposed from waiting, and the every-step figure says how much a normal step
+# loses. A 1-sample micro-batch of the small GPT is a textbook
 # case: a step with little compute per all-reduce. Accumulating 16
 # micro-batches per all-reduce adds 15 forward and backward passes of compute to the
 # same one all-reduce, so communication takes a smaller share of a (longer) step.
@@ -232,12 +235,13 @@ run_compute = pool.train(nbpar.TrainConfig(grad_accum=16, **gpt)).wait()
 # %%
 # NBVAL_IGNORE_OUTPUT
 for name, run in (("accum 1 ", run_latency), ("accum 16", run_compute)):
-    steps = [r for r in run.history if not r.get("comm_metered")]
-    share = sum(r["comm_s"] for r in steps) / sum(r["step_time_s"] for r in steps)
     res = run.result()
-    print(f"{name}: all-reduce in flight {share:.0%} of every step (DDP's hook); the metered "
-          f"step: in flight {res['comm_fraction']:.0%}, exposed {res['exposed_comm_fraction']:.0%}, "
-          f"waiting for the other rank {res['comm_wait_fraction']:.0%}")
+    lo, hi = res["ranks"][0]["comm_blocked_fraction_spread"]
+    print(f"{name}: blocked on communication {res['comm_blocked_fraction']:.0%} of a normal "
+          f"step (rank 0: {lo:.0%}-{hi:.0%} over its steps); the metered step: in flight "
+          f"{res['comm_fraction']:.0%}, exposed {res['exposed_comm_fraction']:.0%}, waiting "
+          f"for the other rank {res['comm_wait_fraction']:.0%}")
+    print("  ", res["timing_note"])
 fig = Figure(figsize=(10, 3), layout="constrained")
 left, right = fig.subplots(1, 2)
 nbpar.view.plots.plot_step_split(run_latency, ax=left)
@@ -248,7 +252,9 @@ fig
 
 # %% [markdown]
 # Timings are noisy on a shared machine (a rank that waits for a slower peer inside
-# an all-reduce counts that wait as communication), so these outputs are not checked.
+# an all-reduce counts that wait as communication), so these outputs are not checked;
+# the line under each says whether this machine's timings could be trusted. The black
+# tick on each bar is the rank's blocked share of a normal step (every step, measured).
 # Each panel splits the metered step of each rank into communication that compute did not
 # hide once both ranks had joined (exposed), waiting inside a collective for the slower
 # rank, communication hidden by compute, and compute alone, as the metered step measured
@@ -280,9 +286,9 @@ pool.shutdown()
 # - A loader that decodes in Python starves the loop; workers, persistent workers with
 #   prefetching, and above all a packed memory-mapped file raised the throughput (a
 #   timing: the order matters, not the numbers).
-# - With a 1-sample micro-batch a large share of every step had the all-reduce in
-#   flight (DDP's hook); accumulating 16 micro-batches per all-reduce cut that share
-#   (the printed figures). The metered split keeps a rank's wait for its slower peer apart
+# - With a 1-sample micro-batch a large share of every normal step was blocked on the
+#   all-reduce; accumulating 16 micro-batches per all-reduce cut that share (the printed
+#   figures, when the line under them says the timings can be trusted). The metered split keeps a rank's wait for its slower peer apart
 #   from exposed communication: the wait is imbalance, not bandwidth. Above ~20% exposed
 #   communication, give each rank more work per all-reduce, overlap it with backward, or
 #   use faster links.

@@ -205,6 +205,20 @@ board = Dashboard(reference)
 board.update(force=True)
 board.figure
 
+# %% [markdown]
+# The step panel's black ticks are each rank's blocked share of a normal step: measured
+# on every step, the time the rank waited for communication its compute did not hide
+# (the same figure notebook 06 prints for its DDP runs, and `nbpar.compare` shows). Its
+# note says the figures; the run says whether this machine's timings can be trusted:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+res = reference.result()
+per_rank = ", ".join(f"{r['comm_blocked_fraction']:.0%}" for r in res["ranks"])
+print(f"blocked on communication {res['comm_blocked_fraction']:.0%} of a normal step "
+      f"(per rank: {per_rank})")
+print(res["timing_note"])
+
 # %%
 pool.shutdown()
 

@@ -143,18 +143,20 @@ for name, run in runs.items():
     assert abs(rank0["comm_bytes"] / theory - 1) < 0.1
 
 # %% [markdown]
-# The full table and figure add the peak of live tensors during a step, the step time,
-# and the communication time: the share of the metered step with a collective in flight
-# and the share no compute hid (exposed), which the figure plots against the 20% line.
-# Those are timings, different on every run. A rank's wait for its slower peer inside a
-# collective is kept apart from exposed communication (the orange part of the bar; both
-# are parts of the time in flight, measured as shares of the metered step itself): the
-# metered step runs every op through Python and slows the ranks by different amounts, so
-# on a busy 2-core machine the wait can be most of what a small model spends in
-# collectives.
+# The full table and figure add the peak of live tensors during a step, a normal step's
+# time, and the communication time: "blocked", the share of a normal step each rank
+# waited for communication no compute hid (measured on every step; the black tick in
+# the figure, the one to hold against the 20% line), and from the metered step the share
+# with a collective in flight and its exposed part. Those are timings, different on
+# every run. A rank's wait for its slower peer inside a collective is kept apart from
+# exposed communication in the metered step (the orange part of the bar): that step runs
+# every op through Python and slows the ranks by different amounts, so on a busy 2-core
+# machine the wait can be most of what a small model spends in collectives there. Each
+# run says whether this machine's timings could be trusted:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
+print(runs["ddp"].result()["timing_note"])
 comparison
 
 # %%

@@ -48,7 +48,7 @@ pool
 # report it (`pool.run` calls a function on every rank):
 
 # %%
-base = dict(model="tiny_gpt", steps=3, lr=3e-3, seed=0)
+base = dict(model="tiny_gpt", steps=8, lr=3e-3, seed=0)
 run_ddp = pool.train(nbpar.TrainConfig(strategy="ddp", micro_batch=8, **base)).wait()
 
 
@@ -203,17 +203,22 @@ print(f"ZeRO-3 holds {s['zero3']:.0%} of DDP's model states at {c['zero3']:.1f}x
 
 # %% [markdown]
 # The timings are the other half of the decision: the peak of live tensors during a
-# step (activations included), and the share of the step that communication no compute
-# hid once every rank had joined, with the wait for a slower rank apart. On a shared CPU
-# they change from run to run, so this cell is not checked; on a
-# model this small, activations and latency dominate, and the figures say little about a
-# large model (section 3 does).
+# step (activations included), a normal step's time (the median of the steps after the
+# two with one-off set-up, the metered one left out) and the share of it each rank spent
+# blocked on communication no compute hid, a slower rank included (for the pipeline, its
+# bubble too: a stage waiting for its activations is blocked). On a shared CPU they
+# change from run to run, so this cell is not checked, and it prints whether this
+# machine's timings could be trusted; on a model this small, activations and latency
+# dominate, and the figures say little about a large model (section 3 does).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 for name, row in rel.items():
+    out = runs[name].result()
     print(f"{name:9s} peak {format_bytes(row['peak_bytes']):>9s} ({row['peak_share']:4.0%} of "
-          f"DDP's), exposed communication {row['exposed_comm_fraction']:4.0%} of the step")
+          f"DDP's), step {out['step_time_s'] * 1e3:5.1f} ms, blocked on communication "
+          f"{out['comm_blocked_fraction']:4.0%} of it")
+print(runs["ddp"].result()["timing_note"])
 print(f"pipeline bubble measured {runs['pipeline'].result()['bubble_fraction']:.0%} "
       f"(schedule alone {runs['pipeline'].result()['schedule_bubble_fraction']:.0%})")
 comparison
