@@ -67,6 +67,8 @@ def why_missing(name: str) -> str:
 def where(data: dict) -> str:
     load = data["load_avg"]
     busy = "" if data.get("load_ok", True) else " (**busy machine: not to be trusted**)"
+    if "measures" not in data:
+        busy += " (**older code: not re-measured since**)"
     return (
         f"{data['date'][:16].replace('T', ' ')} UTC, {data['cpu_model']}, "
         f"{data['cores']} cores, load {load['start']:.1f}-{load['end']:.1f}{busy}, "

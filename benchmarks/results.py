@@ -51,14 +51,14 @@ REQUIRED = (
     "cores",
     "torch",
     "load_avg",
-    "load_ok",
-    "commit",
-    "measures",
     "repeats",
     "config",
     "figures",
     "rows",
 )
+#: What a file written since results knew their code carries besides `REQUIRED`; older
+#: files lack them, are stale by `stale`, and the README says so beside their rows.
+KNOWS_ITS_CODE = ("load_ok", "commit", "measures")
 _OPS = {"<=": operator.le, "<": operator.lt, ">=": operator.ge, ">": operator.gt}
 FIGURE_KEYS = ("label", "unit", "median", "min", "max", "n", "values", "target", "meets")
 
@@ -197,6 +197,8 @@ def stale(data: dict, root: Path = ROOT) -> list[str]:
     """The files under ``data["measures"]`` that differ from its ``commit`` (committed
     later or changed in the working tree): empty when the file describes this code. A
     file measured on a dirty tree, or on a commit this history lacks, is stale whole."""
+    if "measures" not in data:
+        return ["measured before results files named their code"]
     commit_ = data.get("commit") or ""
     if not commit_ or commit_.endswith("+dirty"):
         return [f"measured on {commit_ or 'no commit'}: not a committed tree"]
@@ -247,6 +249,8 @@ def problems(data: dict) -> list[str]:
     out = [f"{name}: missing field {k!r}" for k in REQUIRED if k not in data]
     if not isinstance(data.get("load_avg"), dict) or set(data["load_avg"]) != {"start", "end"}:
         out.append(f"{name}: load_avg must be {{'start', 'end'}}")
+    if "measures" in data:  # a file that knows its code also says its commit and load
+        out += [f"{name}: missing field {k!r}" for k in KNOWS_ITS_CODE if k not in data]
     if not data.get("figures"):
         out.append(f"{name}: no figures")
     for fig in data.get("figures") or []:
