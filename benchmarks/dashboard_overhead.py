@@ -75,17 +75,12 @@ def main():
     with nbpar.Pool(2) as pool:
         timed(pool, args, 2, True)  # warm-up both ways, not recorded
         timed(pool, args, 2, False)
-        for i in range(args.pairs):
-            order = (True, False) if i % 2 == 0 else (False, True)
-            got = {on: timed(pool, args, args.steps, on) for on in order}
-            rec.row(
-                pair=i,
-                first="following" if order[0] else "not",
-                following=got[True],
-                not_following=got[False],
-                ratio=got[True]["wall_s"] / got[False]["wall_s"],
-            )
-    rows = rec.rows
+        rows = rec.alternated_pairs(
+            args.pairs,
+            lambda side: timed(pool, args, args.steps, side == "following"),
+            ("following", "not_following"),
+            "wall_s",
+        )
     rec.figure(
         f"following / not, wall time of {args.steps} steps",
         [r["ratio"] for r in rows],

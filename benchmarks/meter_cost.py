@@ -19,6 +19,7 @@ import statistics
 from results import Recorder
 
 import nbpar
+from nbpar.measure.step_split import normal_step_times
 
 SIZES = {"d_model": 128, "n_layers": 4, "seq_len": 128}  # as ddp_vs_torchrun.py
 
@@ -42,12 +43,7 @@ def timed(pool, args, steps: int, clock: bool) -> dict:
     run = pool.train(cfg)
     res = run.result()
     per_rank = run.per_rank()
-    step_s = max(
-        statistics.median(
-            s["step_time_s"] for s in per_rank[r]["history"][2:] if not s.get("comm_metered")
-        )
-        for r in per_rank
-    )
+    step_s = max(statistics.median(normal_step_times(per_rank[r]["history"])) for r in per_rank)
     return {"step_s": step_s, "blocked": res.get("comm_blocked_fraction")}
 
 
@@ -70,18 +66,13 @@ def main():
     with nbpar.Pool(2) as pool:
         timed(pool, args, 4, True)  # warm-up both ways, not recorded
         timed(pool, args, 4, False)
-        for i in range(args.pairs):
-            order = (True, False) if i % 2 == 0 else (False, True)
-            got = {on: timed(pool, args, args.steps, on) for on in order}
-            rec.row(
-                pair=i,
-                first="with" if order[0] else "without",
-                with_clock=got[True],
-                without=got[False],
-                ratio=got[True]["step_s"] / got[False]["step_s"],
-            )
+        rows = rec.alternated_pairs(
+            args.pairs,
+            lambda side: timed(pool, args, args.steps, side == "with_clock"),
+            ("with_clock", "without"),
+            "step_s",
+        )
         pool.run(_set_clock, True)
-    rows = rec.rows
     rec.figure("with / without, median DDP step", [r["ratio"] for r in rows], "x", "<= 1.05", 3)
     rec.figure("step, with the clock", [r["with_clock"]["step_s"] for r in rows], "s", digits=3)
     rec.figure("step, without", [r["without"]["step_s"] for r in rows], "s", digits=3)

@@ -132,6 +132,16 @@ class Recorder:
     def row(self, **values) -> None:
         self.rows.append(values)
 
+    def alternated_pairs(self, pairs: int, measure, sides: tuple[str, str], key: str) -> list:
+        """``pairs`` rows of ``measure(side)`` for both ``sides``, alternating which goes
+        first, each row with the ratio of the first side's ``key`` to the second's."""
+        for i in range(pairs):
+            order = sides if i % 2 == 0 else sides[::-1]
+            got = {side: measure(side) for side in order}
+            a, b = (got[side] for side in sides)
+            self.row(pair=i, first=order[0], **got, ratio=a[key] / b[key])
+        return self.rows
+
     def save(self, root: Path = RESULTS) -> Path:
         data = {
             "name": self.name,

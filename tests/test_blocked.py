@@ -64,3 +64,22 @@ def test_a_clock_made_on_one_thread_times_the_thread_that_starts_it():
     t.join()
     assert clock.tid == out["tid"]
     assert out["blocked"] == pytest.approx(0.03, abs=0.01)
+
+
+def test_normal_steps_leave_out_set_up_and_metered_steps():
+    from nbpar.measure.step_split import SETUP_STEPS, blocked_shares, normal_step_times
+
+    records = [
+        {
+            "step": i,
+            "step_time_s": 0.1 * (i + 1),
+            "comm_blocked_s": 0.01 * (i + 1),
+            "comm_metered": i == 3,
+        }
+        for i in range(6)
+    ]
+    assert SETUP_STEPS == 2
+    assert normal_step_times(records) == [0.1 * 3, 0.1 * 5, 0.1 * 6]  # steps 2, 4, 5
+    assert blocked_shares(records) == pytest.approx([0.1, 0.1, 0.1])
+    records[4]["comm_blocked_s"] = None  # a step without the clock counts as normal, no share
+    assert len(normal_step_times(records)) == 3 and len(blocked_shares(records)) == 2

@@ -44,15 +44,25 @@ def share_summary(records: list[dict]) -> dict:
     return out
 
 
+def normal_steps(records: list[dict]) -> list[dict]:
+    """One rank's ``records`` (in step order) that are normal steps: the first
+    `SETUP_STEPS` (one-off set-up) and the metered ones (slower) left out."""
+    return [r for r in records[SETUP_STEPS:] if not r.get("comm_metered")]
+
+
+def normal_step_times(records: list[dict]) -> list[float]:
+    """The seconds of each of one rank's `normal_steps`."""
+    return [r["step_time_s"] for r in normal_steps(records)]
+
+
 def blocked_shares(records: list[dict]) -> list[float]:
     """Each normal step's seconds blocked on communication over its own seconds
     (`nbpar.measure.blocked`), for one rank's ``records`` in step order: the first
     `SETUP_STEPS` and the metered steps left out, and steps without the clock (a GPU)."""
     return [
         r["comm_blocked_s"] / r["step_time_s"]
-        for r in records[SETUP_STEPS:]
-        if not r.get("comm_metered") and r.get("comm_blocked_s") is not None
-        if r.get("step_time_s", 0) > 0
+        for r in normal_steps(records)
+        if r.get("comm_blocked_s") is not None and r.get("step_time_s", 0) > 0
     ]
 
 

@@ -168,14 +168,10 @@ class Run:
         the hosts' state over the steps, and the spread of each rank's normal steps
         (after the two with one-off set-up, the metered ones left out)."""
         from nbpar.measure.machine import step_spread, timing_verdict
+        from nbpar.measure.step_split import normal_step_times
 
         res = self.per_rank()
-        spreads = [
-            step_spread(
-                [s["step_time_s"] for s in res[r]["history"][2:] if not s.get("comm_metered")]
-            )
-            for r in self.ranks
-        ]
+        spreads = [step_spread(normal_step_times(res[r]["history"])) for r in self.ranks]
         spreads = [s for s in spreads if s is not None]
         return timing_verdict(
             [res[r]["machine"] for r in self.ranks], max(spreads) if spreads else None

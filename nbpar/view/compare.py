@@ -13,7 +13,7 @@ import html
 from nbpar.estimate import format_bytes
 from nbpar.measure.records import MEMORY_PARTS, PART_NAMES, model_state_bytes
 from nbpar.view.history import run_label
-from nbpar.view.panels import bytes_axis, figure_png
+from nbpar.view.panels import blocked_ticks, bytes_axis, figure_png
 
 REQUIRED = ("config", "losses", "ranks", "step_time_s", "comm_fraction")
 COLUMNS = (
@@ -231,19 +231,9 @@ def _figure(rows: list[dict]):
     if any(wait):  # waiting for a slower rank, stacked on the exposed share
         axes[2].bar(x, wait, bottom=exposed, color="tab:orange", label="waiting for a rank")
         axes[2].legend(fontsize=FONT - 2)
-    blocked = [(i, r["comm_blocked_fraction"]) for i, r in enumerate(rows)]
-    blocked = [(i, b) for i, b in blocked if b is not None]
-    if blocked:  # a normal step's blocked share (every step), a tick on each bar
-        axes[2].plot(
-            [i for i, _ in blocked],
-            [b for _, b in blocked],
-            ls="none",
-            marker="_",
-            ms=24,
-            mew=2.5,
-            color="k",
-            label="blocked, a normal step",
-        )
+    blocked = [r["comm_blocked_fraction"] for r in rows]
+    if any(b is not None for b in blocked):  # a normal step's blocked share, on each bar
+        blocked_ticks(axes[2], blocked, label="blocked, a normal step", size=24)
         axes[2].legend(fontsize=FONT - 2)
     axes[2].axhline(0.2, ls="--", color="k", lw=1)
     return fig

@@ -142,6 +142,20 @@ class MemoryPanel:
         self.process_ax.set_ylim(0, max(process_top, 1.0) * 1.1)
 
 
+def set_blocked_ticks(line, shares: list[float | None]) -> None:
+    """Put a tick at bar ``i`` at height ``shares[i]``; a None share draws none."""
+    ticks = [(i, b) for i, b in enumerate(shares) if b is not None]
+    line.set_data([i for i, _ in ticks], [b for _, b in ticks])
+
+
+def blocked_ticks(ax, shares: list[float | None], label: str, size: float = 28):
+    """A black tick on each bar at its blocked share of a normal step (every step,
+    `nbpar.measure.blocked`); the dashboard's step panel and `compare` draw the same one."""
+    (line,) = ax.plot([], [], ls="none", marker="_", ms=size, mew=2.5, color="k", label=label)
+    set_blocked_ticks(line, shares)
+    return line
+
+
 class SplitPanel:
     """The metered step per rank split into exposed communication, waiting for a slower
     rank, communication hidden by compute, and compute alone, from the rank's latest
@@ -171,16 +185,7 @@ class SplitPanel:
             COMM_HEALTH, ls="--", color="k", lw=1, label=f"{COMM_HEALTH:.0%} exposed"
         )
         # each rank's blocked share of a normal step (every step, `nbpar.measure.blocked`)
-        (self.blocked_line,) = ax.plot(
-            [],
-            [],
-            ls="none",
-            marker="_",
-            ms=28,
-            mew=2.5,
-            color="k",
-            label="blocked, a normal step (every step)",
-        )
+        self.blocked_line = blocked_ticks(ax, [], label="blocked, a normal step (every step)")
         self.texts = [ax.text(i, 1.01, "", ha="center", va="bottom", fontsize="small") for i in x]
         ax.set_xticks(list(x), [f"rank {r}" for r in self.ranks])
         ax.set_ylim(0, 1.75)  # room for the legend above the bars
@@ -198,8 +203,7 @@ class SplitPanel:
         return {r: blocked_share(groups.get(r, [])) for r in self.ranks}
 
     def set(self, groups) -> None:
-        ticks = [(i, b) for i, b in enumerate(self.blocked(groups).values()) if b is not None]
-        self.blocked_line.set_data([i for i, _ in ticks], [b for _, b in ticks])
+        set_blocked_ticks(self.blocked_line, list(self.blocked(groups).values()))
         for i, (*parts, step) in enumerate(self.seconds(groups).values()):
             shares = [p / step if step > 0 else 0.0 for p in parts]
             heights = {
