@@ -6,89 +6,35 @@ with code 2 and one line on stderr, before anything starts.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
+from nbpar.cli_args import (
+    TRAIN_FIELDS,
+    Parser,
+    flagged,
+    non_negative_float,
+    positive_float,
+    positive_int,
+)
+from nbpar.cli_compare import add_parsers as add_compare_parsers
+from nbpar.cli_compare import cmd_compare, cmd_project
 from nbpar.errors import PoolError, RankError, UsageError
 from nbpar.strategies import BACKENDS, SCHEDULES, STRATEGIES, engines_for
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(message)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
-    return value
-
-
-# CLI flag (argparse dest) -> TrainConfig field, for the flags that set one
-TRAIN_FIELDS = (
-    "strategy",
-    "backend",
-    "dp",
-    "tp",
-    "pp",
-    "schedule",
-    "model",
-    "dataset",
-    "loss",
-    "activation_checkpointing",
-    "steps",
-    "micro_batch",
-    "grad_accum",
-    "lr",
-    "optimizer",
-    "grad_clip",
-    "precision",
-    "offload",
-    "deepspeed_config",
-    "seed",
-    "checkpoint_dir",
-    "checkpoint_every",
-    "resume_from",
-)
-
-
-def build_parser() -> _Parser:
-    p = _Parser(prog="nbpar", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+def build_parser() -> Parser:
+    p = Parser(prog="nbpar", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     t = sub.add_parser("train", help="train on a fresh pool and report losses, memory, timing")
-    t.add_argument("--engines", type=_positive_int, default=None)
+    t.add_argument("--engines", type=positive_int, default=None)
     # training flags default to None: what is not given comes from --deepspeed-config
     # when there is one, else from TrainConfig's defaults
     t.add_argument("--strategy", choices=STRATEGIES, default=None)
     t.add_argument("--backend", choices=BACKENDS, default=None)
     for dim in ("dp", "tp", "pp"):
-        t.add_argument(f"--{dim}", type=_positive_int, default=None)
+        t.add_argument(f"--{dim}", type=positive_int, default=None)
     t.add_argument("--schedule", choices=SCHEDULES, default=None)
     t.add_argument(
         "--model",
@@ -104,14 +50,14 @@ def build_parser() -> _Parser:
     t.add_argument("--dataset", default=None, help="a built-in name or package.module:function")
     t.add_argument("--loss", default=None, help="package.module:function(output, target)")
     t.add_argument("--activation-checkpointing", action="store_true", default=None)
-    t.add_argument("--steps", type=_positive_int, default=None)
-    t.add_argument("--micro-batch", type=_positive_int, default=None)
-    t.add_argument("--grad-accum", type=_positive_int, default=None)
-    t.add_argument("--lr", type=_positive_float, default=None)
+    t.add_argument("--steps", type=positive_int, default=None)
+    t.add_argument("--micro-batch", type=positive_int, default=None)
+    t.add_argument("--grad-accum", type=positive_int, default=None)
+    t.add_argument("--lr", type=positive_float, default=None)
     t.add_argument("--optimizer", choices=("adam", "adamw", "sgd"), default=None)
     t.add_argument(
         "--grad-clip",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=None,
         help="clip the global gradient norm; 0 = never (the default)",
     )
@@ -124,58 +70,32 @@ def build_parser() -> _Parser:
     )
     t.add_argument("--seed", type=int, default=None)
     t.add_argument("--checkpoint-dir", default=None)
-    t.add_argument("--checkpoint-every", type=_positive_int, default=None)
+    t.add_argument("--checkpoint-every", type=positive_int, default=None)
     t.add_argument("--resume-from", default=None, help="a checkpoint dir or one step_* folder")
     t.add_argument("--json", action="store_true")
 
     e = sub.add_parser("estimate", help="analytic per-rank memory of a model")
-    e.add_argument("--params", type=_positive_float, required=True)
-    e.add_argument("--world-size", type=_positive_int, required=True)
+    e.add_argument("--params", type=positive_float, required=True)
+    e.add_argument("--world-size", type=positive_int, required=True)
     e.add_argument("--strategy", choices=STRATEGIES, default="ddp")
     for dim in ("dp", "tp", "pp"):
-        e.add_argument(f"--{dim}", type=_positive_int, default=None)
+        e.add_argument(f"--{dim}", type=positive_int, default=None)
     e.add_argument("--optimizer", default="adam")
     e.add_argument("--precision", choices=("fp32", "mixed", "bf16", "fp16"), default="fp32")
     e.add_argument("--offload", choices=("none", "optimizer", "params"), default="none")
     e.add_argument("--json", action="store_true")
 
-    pj = sub.add_parser("project", help="a step on real GPUs, estimated (nbpar.project)")
-    pj.add_argument("--list-hardware", action="store_true", help="the machines it knows")
-    pj.add_argument("--hardware", default="8xH100-SXM")
-    pj.add_argument("--model-params", type=_positive_float, default=None)
-    pj.add_argument("--strategy", choices=STRATEGIES, default="ddp")
-    pj.add_argument("--backend", choices=BACKENDS, default=None)
-    pj.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None)
-    for flag in ("dp", "tp", "pp", "world-size", "micro-batch", "grad-accum", "seq-len",
-                 "layers", "d-model"):  # fmt: skip
-        pj.add_argument(f"--{flag}", type=_positive_int, default=None)
-    for flag in ("tokens-per-step", "flops-per-step", "utilisation"):
-        pj.add_argument(f"--{flag}", type=_positive_float, default=None)
-    pj.add_argument("--json", action="store_true")
-
-    c = sub.add_parser(
-        "compare", help="finished runs side by side, from `nbpar train --json` files"
-    )
-    c.add_argument(
-        "results", nargs="+", metavar="RESULT.json", help="what `nbpar train --json` printed"
-    )
-    c.add_argument(
-        "--project",
-        default=None,
-        metavar="HARDWARE",
-        help="add each run's step on this machine, estimated (nbpar project --list-hardware)",
-    )
-    c.add_argument("--json", action="store_true")
+    add_compare_parsers(sub)
 
     from nbpar.simulate.cli import add_parser as add_simulate_parser
 
-    add_simulate_parser(sub, _positive_int, _positive_float)
+    add_simulate_parser(sub, positive_int, positive_float)
 
     b = sub.add_parser("bench", help="benchmarks")
-    bsub = b.add_subparsers(dest="bench", required=True, parser_class=_Parser)
+    bsub = b.add_subparsers(dest="bench", required=True, parser_class=Parser)
     bl = bsub.add_parser("launch", help="pool start-up and cell latency vs raw ipyparallel")
-    bl.add_argument("--engines", type=_positive_int, default=2)
-    bl.add_argument("--reps", type=_positive_int, default=30)
+    bl.add_argument("--engines", type=positive_int, default=2)
+    bl.add_argument("--reps", type=positive_int, default=30)
     bl.add_argument("--json", action="store_true")
     return p
 
@@ -207,16 +127,8 @@ def train_config(args):
     try:  # the one validation and probe of this run, before a pool starts
         cfg = checked_config(cfg, engines)
     except (ValueError, TypeError, FileNotFoundError) as err:
-        raise UsageError(_flagged(err)) from None
+        raise UsageError(flagged(err)) from None
     return cfg, engines
-
-
-def _flagged(err: Exception) -> str:
-    """The error's sentence, led by the flag to change when it names one."""
-    field, text = getattr(err, "field", None), str(err)
-    if field not in TRAIN_FIELDS or text.startswith(field):
-        return text
-    return f"--{field.replace('_', '-')}: {text}"
 
 
 def cmd_train(args) -> dict:
@@ -272,123 +184,6 @@ def cmd_estimate(args) -> dict:
     except (ValueError, TypeError) as err:
         raise UsageError(str(err)) from None
     return est.to_json()
-
-
-def cmd_project(args) -> dict:
-    """The estimate as JSON, with the table people read (assumptions included)."""
-    from nbpar.hardware import PRESETS
-    from nbpar.project import project
-
-    if args.list_hardware:
-        return {"hardware": [{"name": n, "description": h.describe()} for n, h in PRESETS.items()]}
-    keys = ("strategy", "backend", "precision", "dp", "tp", "pp", "micro_batch", "grad_accum")
-    cfg = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
-    cfg["gpt"] = {"seq_len": args.seq_len} if args.seq_len else {}
-    given = ("world_size", "tokens_per_step", "flops_per_step", "utilisation", "layers", "d_model")
-    kwargs = {k: getattr(args, k) for k in given if getattr(args, k) is not None}
-    try:
-        est = project(cfg, args.hardware, params=args.model_params, **kwargs)
-    except (ValueError, TypeError) as err:
-        raise UsageError(_flagged(err)) from None
-    return {**est.to_json(), "table": est.table()}
-
-
-def cmd_compare(args) -> dict:
-    """`nbpar.compare` of result files: {"runs": rows, "warnings", "table"}; with --project
-    each row's `nbpar.project` on that hardware under row["projected"], apart."""
-    from nbpar.hardware import lookup
-    from nbpar.view.compare import compare
-
-    try:  # an unknown name stops here, before any file is read
-        hw = lookup(args.project) if args.project is not None else None
-    except ValueError as err:
-        raise UsageError(f"--project: {err}") from None
-    results = [_read_result(path) for path in args.results]
-    try:
-        cmp = compare(results)
-    except (ValueError, TypeError) as err:
-        raise UsageError(str(err)) from None
-    out = {"runs": cmp.table, "warnings": cmp.warnings}
-    if hw is not None:
-        out["projected"] = _project_rows(cmp.table, results, hw)
-    return {**out, "table": _compare_table(str(cmp), out)}
-
-
-def _read_result(path: str) -> dict:
-    """One `nbpar train --json` result from a file; a usage error that names the file."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except OSError as err:
-        raise UsageError(f"{path}: {err.strerror}") from None
-    except json.JSONDecodeError as err:
-        raise UsageError(
-            f"{path}: not JSON ({err.msg}, line {err.lineno}); expected `nbpar train --json`"
-        ) from None
-
-
-def model_params(config: dict) -> int:
-    """The parameter count of a result's model, built on the meta device (no weights)."""
-    import torch
-
-    from nbpar.config import TrainConfig
-    from nbpar.model.models import build_model
-
-    with torch.device("meta"):
-        model = build_model(TrainConfig.from_dict(config))
-    return sum(p.numel() for p in model.parameters())
-
-
-def _project_rows(rows: list[dict], results: list[dict], hw) -> dict:
-    """Set each row's ``projected`` to its run's `nbpar.project` on ``hw`` (None, with
-    ``projected_error`` the line why, where it cannot be projected); the hardware and
-    the assumptions of them all, each once."""
-    from nbpar.project import project
-
-    notes: list[str] = []
-    for row, res in zip(rows, results):
-        try:
-            est = project(res, hw, params=model_params(res["config"]))
-        except (ValueError, TypeError) as err:
-            row["projected"], row["projected_error"] = None, str(err)
-            continue
-        row["projected"] = {**est.to_json(), "hardware": hw.name}
-        notes += est.assumptions
-    return {"hardware": hw.name, "description": hw.describe(), "assumptions": notes}
-
-
-def _compare_table(measured: str, out: dict) -> str:
-    """The measured table; with a projection its estimate columns after a bar, the rows
-    it could not project, and its assumptions once."""
-    proj = out.get("projected")
-    if proj is None:
-        return measured
-    from nbpar.project import describe_assumptions
-
-    lines = measured.splitlines()
-    table, warnings = lines[: 1 + len(out["runs"])], lines[1 + len(out["runs"]) :]
-    cells = [(f"est. step on {proj['hardware']} (s)", "est. exposed")]
-    cells += [("-", "-") if r["projected"] is None else _estimate_cells(r) for r in out["runs"]]
-    widths = [max(len(c[i]) for c in cells) for i in (0, 1)]
-    width = max(map(len, table))
-    rows = [
-        f"{m.ljust(width)}  |  {a.rjust(widths[0])}  {b.rjust(widths[1])}"
-        for m, (a, b) in zip(table, cells)
-    ]
-    rows += warnings
-    rows += [
-        f"est.: {r['label']}: {r['projected_error']}" for r in out["runs"] if r["projected"] is None
-    ]
-    rows.append(f"est. = estimated by nbpar.project, not measured, on {proj['description']}")
-    if proj["assumptions"]:
-        rows += ["assumptions:", describe_assumptions(proj["assumptions"])]
-    return "\n".join(rows)
-
-
-def _estimate_cells(row: dict) -> tuple[str, str]:
-    """A row's estimated step (seconds) and exposed communication share, as printed."""
-    p = row["projected"]
-    return f"{p['step_s']:.3g}", f"{p['exposed_share']:.1%}"
 
 
 def cmd_simulate(args) -> dict:

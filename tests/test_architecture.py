@@ -210,7 +210,17 @@ LAYERS = (
     ("simulate", ("nbpar.simulate",)),
     ("view", ("nbpar.view",)),
     ("pool", ("nbpar.pool",)),
-    ("cli", ("nbpar.bench", "nbpar.cli", "nbpar.__main__", "nbpar")),
+    (
+        "cli",
+        (
+            "nbpar.bench",
+            "nbpar.cli",
+            "nbpar.cli_args",
+            "nbpar.cli_compare",
+            "nbpar.__main__",
+            "nbpar",
+        ),
+    ),
 )
 
 
