@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -201,3 +202,34 @@ def test_a_busy_machine_is_said_beside_the_timings(pool):
     gap = abs(alone["comm_blocked_fraction"] - busy["comm_blocked_fraction"])
     assert gap <= 0.10 or not busy["timing_reliable"]
     assert [r["param_bytes"] for r in alone["ranks"]] == [r["param_bytes"] for r in busy["ranks"]]
+
+
+def test_the_blocked_share_reads_the_same_in_a_result_and_on_the_dashboard(pool):
+    """Notebook 06 prints a DDP run's blocked share from `Run.result()`, notebook 07 reads
+    it on the live dashboard: for one run the two agree within 10 points (they are the
+    same measurement, every normal step's, not two meters), rank by rank."""
+    from nbpar.view.dashboard import Dashboard
+
+    cfg = nbpar.TrainConfig(model="tiny_gpt", strategy="ddp", micro_batch=4, steps=24)
+    run = pool.train(cfg).wait()
+    res = run.result()
+    dash = Dashboard(run)
+    assert dash.widget.children[-1] is dash.chart  # its browser chart, as a notebook shows it
+    dash.update(force=True)
+    note = dash.chart.notes["step"]
+    found = re.search(r"blocked on communication in a normal step \(every step\): ([^;]*);", note)
+    assert found, note
+    on_dashboard = {  # "rank 0 23% · rank 1 19%"
+        int(rank): int(pct) / 100 for rank, pct in re.findall(r"rank (\d+) (\d+)%", found[1])
+    }
+    in_result = {r["rank"]: r["comm_blocked_fraction"] for r in res["ranks"]}
+    assert sorted(on_dashboard) == sorted(in_result) == [0, 1]
+    for rank, share in in_result.items():
+        assert 0 <= share <= 1
+        assert abs(on_dashboard[rank] - share) <= 0.10, (rank, note, in_result)
+        assert abs(on_dashboard[rank] - share) <= 0.005  # the same figure, rounded to 1%
+    # and the tick on each bar of the static figure's step panel is that figure too
+    ax = dash.figure.axes[2]
+    assert ax.get_title().startswith("step time split")
+    tick = next(line for line in ax.get_lines() if line.get_marker() == "_")
+    assert list(tick.get_ydata()) == pytest.approx([in_result[0], in_result[1]])
