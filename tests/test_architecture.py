@@ -203,6 +203,7 @@ LAYERS = (
             "nbpar.estimate_plot",
             "nbpar.ds_partition",
             "nbpar.project",
+            "nbpar.project_comm",
         ),
     ),
     ("config", ("nbpar.config", "nbpar.checkpoint_meta", "nbpar.probe")),
