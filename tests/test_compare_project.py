@@ -135,3 +135,22 @@ def test_a_missing_or_bad_file_is_one_line(tmp_path, capsys):
     for path in (tmp_path / "missing.json", bad):
         code, _, err = run_cli(capsys, str(path), "--project", HW)
         assert code == 2 and err.count("\n") == 1 and str(path) in err
+
+
+def test_the_python_compare_takes_project_as_the_command_does(files, capsys):
+    """`nbpar.compare(results, project=HW)`: the rows, the table and the HTML carry the
+    same estimate the command prints; an unknown name is a ValueError before any run."""
+    code, out, _ = run_cli(capsys, *files, "--project", HW, "--json")
+    assert code == 0
+    cmp = nbpar.compare(list(RUNS.values()), project=HW)
+    by_cli = json.loads(out)
+    assert cmp.projected == by_cli["projected"]
+    assert [r.get("projected") for r in cmp.table] == [r.get("projected") for r in by_cli["runs"]]
+    assert str(cmp) == by_cli["table"]
+    assert cmp.table[0]["projected"]["step_s"] == pytest.approx(expected(RUNS["ddp"]).step_s)
+    page = cmp._repr_html_()
+    assert "nbpar-projected" in page and "est. = estimated by nbpar.project" in page
+    assert nbpar.compare(list(RUNS.values())).projected is None
+    assert "nbpar-projected" not in nbpar.compare(list(RUNS.values()))._repr_html_()
+    with pytest.raises(ValueError, match="H999"):
+        nbpar.compare(list(RUNS.values()), project="H999")

@@ -125,9 +125,13 @@ class Comparison:
     """``.table`` (rows), ``.warnings``, ``.figure`` (bars), ``.relative(baseline)``;
     HTML table + figure."""
 
-    def __init__(self, rows: list[dict]):
+    def __init__(self, rows: list[dict], projected: dict | None = None):
         self.table = rows
         self.warnings = differences(rows)
+        # with compare(..., project=HW): the hardware, its description and the
+        # assumptions; each row's estimate is under row["projected"] (None where it could
+        # not be projected, row["projected_error"] says why)
+        self.projected = projected
         self._figure = None
 
     @property
@@ -173,7 +177,12 @@ class Comparison:
             ).rstrip()
             for r in cells
         ]
-        return "\n".join(lines + [f"warning: {w}" for w in self.warnings])
+        measured = "\n".join(lines + [f"warning: {w}" for w in self.warnings])
+        if self.projected is None:
+            return measured
+        from nbpar.view.compare_project import projected_table
+
+        return projected_table(measured, {"runs": self.table, "projected": self.projected})
 
     def html_table(self) -> str:
         head = "".join(f"<th>{html.escape(t)}</th>" for _, t in COLUMNS)
@@ -199,10 +208,19 @@ class Comparison:
             for w in self.warnings
         )
 
+    def html_projection(self) -> str:
+        """With a projection: the estimate as the text table prints it, apart."""
+        if self.projected is None:
+            return ""
+        measured = len(self.table) + 1 + len(self.warnings)
+        text = "\n".join(repr(self).splitlines()[measured:])
+        return f"<pre class='nbpar-projected'>{html.escape(text)}</pre>"
+
     def _repr_html_(self) -> str:
         img = base64.b64encode(self.png()).decode("ascii")
         return (
             f"<div class='nbpar-compare'>{self.html_warnings()}{self.html_table()}"
+            f"{self.html_projection()}"
             f"<img src='data:image/png;base64,{img}' style='max-width:100%'/></div>"
         )
 
@@ -239,20 +257,32 @@ def _figure(rows: list[dict]):
     return fig
 
 
-def compare(runs, labels=None) -> Comparison:
-    """Compare Runs or result dicts; ``labels`` default to "strategy/backend" (made unique)."""
+def compare(runs, labels=None, project=None) -> Comparison:
+    """Compare Runs or result dicts; ``labels`` default to "strategy/backend" (made unique).
+    ``project``: a `nbpar.hardware` preset name or `Hardware`; each run's step there,
+    estimated by `nbpar.project`, goes under its row's ``projected`` and after the table."""
     runs = list(runs) if isinstance(runs, (list, tuple)) else [runs]
     if not runs:
         raise ValueError("compare needs at least one run or result dict")
     if labels is not None and len(labels) != len(runs):
         raise ValueError(f"labels has {len(labels)} entries for {len(runs)} runs")
-    rows = [summarize(r, None if labels is None else labels[i]) for i, r in enumerate(runs)]
+    hw = None
+    if project is not None:  # an unknown name stops here, before any run is read
+        from nbpar.hardware import lookup
+
+        hw = lookup(project)
+    results = [_result(r) for r in runs]
+    rows = [summarize(r, None if labels is None else labels[i]) for i, r in enumerate(results)]
     seen: dict[str, int] = {}
     for row in rows:
         n = seen[row["label"]] = seen.get(row["label"], 0) + 1
         if n > 1:
             row["label"] = f"{row['label']} ({n})"
-    return Comparison(rows)
+    if hw is None:
+        return Comparison(rows)
+    from nbpar.view.compare_project import project_rows
+
+    return Comparison(rows, project_rows(rows, results, hw))
 
 
 def describe(res: dict) -> list[str]:
