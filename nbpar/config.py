@@ -182,8 +182,12 @@ class TrainConfig:
         return self.micro_batch * self.grad_accum * self.dims(world_size).dp
 
     # ---- validation -----------------------------------------------------
-    def validate(self, world_size: int | None = None) -> TrainConfig:
-        """The checked config this one runs as, for ``world_size`` engines (None: any).
+    def validate(
+        self, world_size: int | None = None, *, pg_backend: str | None = None
+    ) -> TrainConfig:
+        """The checked config this one runs as, for ``world_size`` engines (None: any)
+        of a pool on ``pg_backend`` ("gloo", "nccl"; None: this host's default), which
+        decides whether the precision is judged for the CPU or the GPU.
 
         Pure: ``self`` is never changed. The result is a copy when a ds_config's
         ``train_batch_size`` decides the micro-batch or accumulation on this many
@@ -226,7 +230,7 @@ class TrainConfig:
             from nbpar import device
 
             with about("precision"):
-                device.check_precision(self.precision)
+                device.check_precision(self.precision, pg_backend)
         if self.resume_from is not None:  # missing/corrupt/other model: before engines work
             from nbpar.checkpoint_meta import check_resume
 

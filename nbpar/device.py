@@ -43,6 +43,30 @@ def default_backend(n_gpus: int | None = None) -> str:
     return "nccl" if n_gpus > 0 else "gloo"
 
 
+def process_group_backend(backend: str) -> str:
+    """What ``init_process_group`` is given for a pool on ``backend``: on GPUs the
+    default group carries gloo for CPU tensors beside nccl for GPU ones, so a CPU
+    tensor in a ``%%dist`` cell or a clock exchange works there too."""
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+
+
+def backend_of(group_backend: str) -> str:
+    """The pool backend ("gloo", "nccl") of what ``dist.get_backend()`` says: nccl
+    when any device of the group uses it (`process_group_backend`), else as given."""
+    parts = [p.rsplit(":", 1)[-1] for p in group_backend.split(",")]
+    return "nccl" if "nccl" in parts else group_backend
+
+
+def current_backend() -> str:
+    """The pool backend of this process's default group, or this host's default
+    (`default_backend`) without one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return backend_of(dist.get_backend())
+    return default_backend()
+
+
 def device_type(backend: str) -> str:
     """The torch device type that a process-group backend drives."""
     return "cuda" if backend == "nccl" else "cpu"
@@ -187,9 +211,10 @@ def check_precision(precision: str, backend: str | None = None) -> None:
     )
 
 
-def deepspeed_env() -> None:
-    """Make DeepSpeed run on CPU without a compiler when no GPU is visible."""
-    if accelerator_count() == 0:
+def deepspeed_env(backend: str) -> None:
+    """Make DeepSpeed run on CPU (no compiler) unless ``backend`` drives GPUs: a gloo
+    pool on a GPU machine keeps its models on the CPU."""
+    if device_type(backend) == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 

@@ -43,9 +43,10 @@ _GRAD_ATTRS = (
 )
 
 
-def import_deepspeed():
-    """Import deepspeed the CPU-safe way: DS_ACCELERATOR=cpu without a GPU, no shm op."""
-    device.deepspeed_env()
+def import_deepspeed(backend: str | None = None):
+    """Import deepspeed the CPU-safe way: DS_ACCELERATOR=cpu unless ``backend`` (default:
+    the process group's, `nbpar.device.current_backend`) drives GPUs; no shm op."""
+    device.deepspeed_env(backend or device.current_backend())
     # the first look at its ops probes the linker for libaio ("ld: cannot find -laio"
     # on stderr): harmless noise that reads like a failure in a notebook
     with _quiet_stderr():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nbpar import device
 from nbpar.parallel.ds_config import ds_config_for
 
 from .deepspeed import client_optimizer, import_deepspeed, release
@@ -78,9 +79,7 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> DeepSpeedPipel
 
         loss_fn = make_loss(cfg)
     pp, dp = mesh["pp"].size(), mesh["dp"].size()
-    deepspeed.init_distributed(
-        dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False
-    )
+    deepspeed.init_distributed(dist_backend=device.current_backend(), auto_mpi_discovery=False)
     module = PipelineModule(
         layers=pipeline_layers(model, pp),
         num_stages=pp,

@@ -231,14 +231,15 @@ class Run:
         )
 
 
-def checked_config(cfg, world: int):
-    """The config as it runs on ``world`` ranks, checked once before any engine works:
-    `TrainConfig.validate`, then the model and its first batch built and run here
-    (`nbpar.probe.check_model`), so a bad factory or batch is one line, not a hang."""
+def checked_config(cfg, world: int, pg_backend: str | None = None):
+    """The config as it runs on ``world`` ranks of a pool on ``pg_backend`` (None: this
+    host's default), checked once before any engine works: `TrainConfig.validate`, then
+    the model and its first batch built and run here (`nbpar.probe.check_model`), so a
+    bad factory or batch is one line, not a hang."""
     from nbpar.checks import about
     from nbpar.probe import check_model
 
-    checked = cfg.validate(world)
+    checked = cfg.validate(world, pg_backend=pg_backend)
     with about("model"):
         check_model(checked, world)
     return checked
@@ -268,4 +269,4 @@ def start_run(pool, cfg=None, **overrides) -> Run:
         cfg = TrainConfig.from_dict({**cfg.to_dict(), **overrides})
     from nbpar.strategies import engines_for
 
-    return launch(pool, checked_config(cfg, engines_for(cfg.strategy, pool.n)))
+    return launch(pool, checked_config(cfg, engines_for(cfg.strategy, pool.n), pool.backend))

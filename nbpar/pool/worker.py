@@ -126,7 +126,7 @@ def join(
         # engines on one host share its cores: don't oversubscribe them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     dist.init_process_group(
-        backend,
+        device.process_group_backend(backend),  # nccl pools: gloo too, for CPU tensors
         store=dist.PrefixStore("pg", store),
         rank=rank,
         world_size=world_size,

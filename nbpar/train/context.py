@@ -51,13 +51,13 @@ class RankContext:
         group = dist.is_available() and dist.is_initialized()
         on = group and cfg.strategy != "single"
         world, rank = (dist.get_world_size(), dist.get_rank()) if on else (1, 0)
-        cfg = cfg.validate(world)
+        backend = device.current_backend()  # gloo or nccl, whatever the group carries
+        cfg = cfg.validate(world, pg_backend=backend)
         if not on and cfg.strategy != "single":
             raise ValueError(
                 f"strategy {cfg.strategy!r} needs a torch.distributed process group "
                 f"(run it on a Pool's engines); only 'single' runs without one"
             )
-        backend = dist.get_backend() if group else device.default_backend()
         here = device.current_device(backend)
         dims = cfg.dims(world)
         mesh = cached_mesh(dims, device.device_type(backend)) if on else None

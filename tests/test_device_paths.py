@@ -1,0 +1,152 @@
+"""The GPU paths of `nbpar.device`, run on a CPU: the device side is faked (torch.cuda's
+functions monkeypatched, a "one-GPU machine" by ``accelerator_count``), the decisions
+around it are real. Issue #29: what was read but never run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nbpar import device
+from nbpar.config import ConfigError, TrainConfig
+from nbpar.train.context import RankContext
+
+
+@pytest.fixture
+def one_gpu_machine(monkeypatch):
+    """A host whose torch sees one GPU: the default backend there is nccl."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(device, "accelerator_count", lambda: 1)
+    assert device.default_backend() == "nccl"
+
+
+@pytest.fixture
+def gloo_group():
+    """A one-rank gloo default group in this process, left at teardown."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    from nbpar.parallel.mesh import forget_meshes
+
+    forget_meshes()
+    dist.destroy_process_group()
+
+
+# ---- item 2: the default group carries gloo beside nccl ------------------------------
+def test_a_gpu_pool_group_carries_gloo_for_cpu_tensors():
+    assert device.process_group_backend("nccl") == "cpu:gloo,cuda:nccl"
+    assert device.process_group_backend("gloo") == "gloo"
+    for backend in ("gloo", "nccl"):  # what dist.get_backend() says maps back
+        assert device.backend_of(device.process_group_backend(backend)) == backend
+    assert device.backend_of("fake") == "fake"  # nbpar.simulate's fake ranks
+
+
+def test_the_group_backend_reads_as_nccl(monkeypatch, gloo_group):
+    assert device.current_backend() == "gloo"
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    assert device.current_backend() == "nccl"
+
+
+def test_an_engine_joins_with_both_backends_on_a_gpu_pool(tmp_path):
+    """`worker.join` on an nccl pool asks for "cpu:gloo,cuda:nccl" (the GPU faked: the
+    group made is gloo), in a child process: joining changes the process's environment."""
+    script = textwrap.dedent(
+        """
+        import json
+        import torch.distributed as dist
+        from nbpar import device
+        from nbpar.pool import worker
+
+        asked, real = [], dist.init_process_group
+        def init(backend, **kw):
+            asked.append(backend)
+            real("gloo", **kw)
+        dist.init_process_group = init
+        device.bind = lambda local_rank, backend: f"gpu {local_rank}"
+        addr, port = worker.open_store("127.0.0.1", 0, 20)
+        facts = worker.join(0, 1, addr, port, "nccl", 20, {})
+        print(json.dumps({"asked": asked, "backend": facts["backend"]}))
+        worker.leave()
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr
+    facts = json.loads(out.stdout.strip().splitlines()[-1])
+    assert facts == {"asked": ["cpu:gloo,cuda:nccl"], "backend": "nccl"}
+
+
+# ---- item 5: the pool's backend decides, not "a GPU is present" ----------------------
+def test_deepspeed_stays_on_cpu_for_a_gloo_pool_on_a_gpu_machine(monkeypatch, one_gpu_machine):
+    monkeypatch.setenv("DS_ACCELERATOR", "unset")
+    monkeypatch.delenv("DS_ACCELERATOR")
+    device.deepspeed_env("nccl")
+    assert "DS_ACCELERATOR" not in device.os.environ  # DeepSpeed finds the GPU itself
+    device.deepspeed_env("gloo")
+    assert device.os.environ["DS_ACCELERATOR"] == "cpu"
+
+
+def test_import_deepspeed_follows_the_groups_backend(monkeypatch, one_gpu_machine, gloo_group):
+    from nbpar.parallel import deepspeed
+
+    seen = []
+    monkeypatch.setattr(device, "deepspeed_env", seen.append)
+    deepspeed.import_deepspeed()
+    deepspeed.import_deepspeed("nccl")
+    assert seen == ["gloo", "nccl"]
+
+
+def _fp16_on_gpus_only(monkeypatch) -> list:
+    asked: list = []
+
+    def support(backend):
+        asked.append(backend)
+        return {"bf16": True, "fp16": backend == "nccl"}
+
+    monkeypatch.setattr(device, "half_precision_support", support)
+    monkeypatch.setattr(device, "cpu_model", lambda: "Test CPU")
+    return asked
+
+
+FP16 = dict(strategy="zero1", backend="deepspeed", precision="fp16", model="simple_cnn")
+
+
+def test_precision_is_judged_for_the_pools_backend(monkeypatch, one_gpu_machine):
+    asked = _fp16_on_gpus_only(monkeypatch)
+    TrainConfig(**FP16).validate(2)  # no backend named: this host's (nccl)
+    with pytest.raises(ConfigError, match="on this CPU \\(Test CPU\\)"):
+        TrainConfig(**FP16).validate(2, pg_backend="gloo")
+    assert asked == ["nccl", "gloo"]
+
+
+def test_a_gloo_pool_checks_precision_for_its_cpus(monkeypatch, one_gpu_machine):
+    """`Pool.train` (`start_run`) passes the pool's backend to the check."""
+    from nbpar.pool.run import start_run
+
+    _fp16_on_gpus_only(monkeypatch)
+
+    class GlooPool:
+        n, backend = 2, "gloo"
+
+        def busy_ranks(self, ranks):
+            raise RuntimeError("checked: would start")
+
+    with pytest.raises(ConfigError, match="on this CPU"):
+        start_run(GlooPool(), TrainConfig(**FP16))
+    GlooPool.backend = "nccl"
+    with pytest.raises(RuntimeError, match="would start"):
+        start_run(GlooPool(), TrainConfig(**FP16))
+
+
+def test_an_engine_of_a_gloo_group_computes_on_cpu(monkeypatch, one_gpu_machine, gloo_group):
+    asked = _fp16_on_gpus_only(monkeypatch)
+    ctx, _ = RankContext.build(TrainConfig(strategy="ddp", precision="bf16", model="simple_cnn"))
+    assert (ctx.backend, ctx.device.type, ctx.mesh.device_type) == ("gloo", "cpu", "cpu")
+    assert asked == ["gloo"]
