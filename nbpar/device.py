@@ -7,6 +7,7 @@ torch.distributed backend fits it, so the same notebook runs on a laptop CPU
 
 from __future__ import annotations
 
+import gc
 import glob
 import os
 import sys
@@ -115,10 +116,15 @@ def memory_stats(backend: str) -> dict:
     return stats
 
 
-def reset_peak(backend: str) -> None:
+def reset_peak(backend: str, *, collect: bool = True) -> None:
+    """Start the allocator's peak (``device_peak_bytes``) afresh (GPU only). With
+    ``collect``, garbage in reference cycles (a previous run's tensors) is freed
+    first, so the new peak does not start from memory nobody holds."""
     import torch
 
     if backend == "nccl" and torch.cuda.is_initialized():
+        if collect:
+            gc.collect()
         torch.cuda.reset_peak_memory_stats()
 
 

@@ -4,6 +4,7 @@ around it are real. Issue #29: what was read but never run."""
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -36,6 +37,16 @@ def gloo_group():
 
     forget_meshes()
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def fake_allocator(monkeypatch):
+    """torch.cuda's allocator and RNG, faked: every call is appended to the list."""
+    calls: list = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append("gc"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: calls.append("reset"))
+    return calls
 
 
 # ---- item 2: the default group carries gloo beside nccl ------------------------------
@@ -150,3 +161,28 @@ def test_an_engine_of_a_gloo_group_computes_on_cpu(monkeypatch, one_gpu_machine,
     ctx, _ = RankContext.build(TrainConfig(strategy="ddp", precision="bf16", model="simple_cnn"))
     assert (ctx.backend, ctx.device.type, ctx.mesh.device_type) == ("gloo", "cpu", "cpu")
     assert asked == ["gloo"]
+
+
+# ---- item 6: the GPU peak is per step, with garbage collected first ------------------
+def test_reset_peak_collects_garbage_first(fake_allocator):
+    device.reset_peak("nccl")
+    assert fake_allocator == ["gc", "reset"]
+    device.reset_peak("nccl", collect=False)
+    device.reset_peak("gloo")  # no GPU in use: nothing to reset
+    assert fake_allocator == ["gc", "reset", "reset"]
+
+
+def test_the_device_peak_is_reset_at_each_steps_start(monkeypatch):
+    from nbpar.train.loop import run_training
+
+    events = []
+    monkeypatch.setattr(
+        device, "reset_peak", lambda backend, collect=True: events.append(("reset", collect))
+    )
+    stats = device.memory_stats
+    monkeypatch.setattr(
+        device, "memory_stats", lambda backend: events.append(("read",)) or stats(backend)
+    )
+    run_training(TrainConfig(model="simple_cnn", strategy="single", micro_batch=4, steps=3))
+    steps = [("reset", False), ("read",)] * 3
+    assert events == [("reset", True), *steps]

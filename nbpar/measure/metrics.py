@@ -19,7 +19,8 @@ from nbpar.measure.records import model_state_bytes
 
 def memory_snapshot(pg_backend: str) -> dict[str, int]:
     """This process's resident bytes (``rss_bytes``) and, on a GPU, the allocator's
-    figures (``device_allocated_bytes``, ``device_peak_bytes`` since the run began)."""
+    figures (``device_allocated_bytes``; ``device_peak_bytes`` since the last
+    `nbpar.device.reset_peak`, which the train loop calls at each step's start)."""
     return {"rss_bytes": device.rss_bytes() or 0, **device.memory_stats(pg_backend)}
 
 

@@ -49,7 +49,7 @@ class StepRecord(_StepRequired, total=False):
     """One record per (step, rank); the keys below appear only where they were measured."""
 
     device_allocated_bytes: int  # GPU: the allocator's bytes after the step
-    device_peak_bytes: int  # GPU: the allocator's peak since the run began
+    device_peak_bytes: int  # GPU: the allocator's peak in the step
     device_util_pct: int  # GPU: utilization in percent, where NVML answers
     offload_bytes: int  # DeepSpeed: bytes of the model states offloaded to host memory
     activation_peak_bytes: int  # pipeline: peak bytes of activations this stage kept

@@ -149,7 +149,7 @@ def _loop(cfg, runner, batches, ctx: RankContext, publish, should_stop, start) -
     timer = getattr(runner, "comm_timer", None) or CommTimer()
     # on a GPU the host thread also waits for its kernels: no blocked clock there
     blocked = BlockedClock() if BLOCKED_CLOCK and ctx.device.type == "cpu" else None
-    device.reset_peak(ctx.backend)
+    device.reset_peak(ctx.backend)  # garbage collected first: no earlier run's tensors
     history: list[StepRecord] = []
     comm = None  # the latest metered step's meter
     clocks = machine.snapshot()  # what the host did over the steps: the timings' verdict
@@ -172,6 +172,8 @@ def _loop(cfg, runner, batches, ctx: RankContext, publish, should_stop, start) -
 def _step(cfg, runner, batches, ctx, timer: CommTimer, step: int, start: int, blocked=None):
     """Train step ``step``; (its record, its CommMeter when the step is metered, else None).
     ``blocked`` (a `BlockedClock`, or None) times the thread's blocked seconds in it."""
+    # the GPU's peak from here: per step like the CPU figures (collected at the run's start)
+    device.reset_peak(ctx.backend, collect=False)
     micro_batches = [batches.next() for _ in range(cfg.grad_accum)]
     timer.start_step()
     if blocked is not None:
