@@ -224,6 +224,30 @@ def deepspeed_env(backend: str) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+def rng_state(backend: str) -> dict:
+    """This process's random states: the CPU generator's and, on a GPU in use, its
+    device generator's (what a checkpoint keeps so a resumed run draws the same)."""
+    import torch
+
+    state = {"cpu": torch.get_rng_state()}
+    if backend == "nccl" and torch.cuda.is_initialized():
+        state["device"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state, backend: str) -> None:
+    """Restore what `rng_state` returned; a plain tensor is the CPU state alone (the
+    checkpoints written before device states were kept). A device state is restored
+    only on a GPU pool."""
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        state = {"cpu": state}
+    torch.set_rng_state(state["cpu"])
+    if backend == "nccl" and "device" in state:
+        torch.cuda.set_rng_state(state["device"])
+
+
 def peak_flops_hint(name: str | None = None) -> float | None:
     """Peak bf16 FLOP/s of GPU ``name`` (default: this host's GPU 0); None if unknown.
     The datasheet figures are `nbpar.hardware`'s, matched most specific name first."""

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from nbpar import device
 from nbpar.config import ConfigError, TrainConfig
+from nbpar.train import checkpoint
 from nbpar.train.context import RankContext
 
 
@@ -186,3 +187,89 @@ def test_the_device_peak_is_reset_at_each_steps_start(monkeypatch):
     run_training(TrainConfig(model="simple_cnn", strategy="single", micro_batch=4, steps=3))
     steps = [("reset", False), ("read",)] * 3
     assert events == [("reset", True), *steps]
+
+
+# ---- item 7: checkpoints keep the GPU's random state, consolidate on a CPU -----------
+class _Runner:
+    """A runner that saves nothing but the RNG files `checkpoint` writes itself."""
+
+    def save_checkpoint(self, path, *, distributed):
+        pass
+
+    def load_checkpoint(self, path, *, distributed):
+        pass
+
+
+class _Batches:
+    def seek(self, epoch, batches):
+        self.at = (epoch, batches)
+
+
+def _ctx(backend):
+    cfg = TrainConfig(model="simple_cnn")
+    return RankContext(0, 1, cfg.dims(1), None, torch.device("cpu"), backend, False)
+
+
+def _save_then_draw(tmp_path, backend) -> tuple[TrainConfig, torch.Tensor]:
+    cfg = TrainConfig(model="simple_cnn", micro_batch=4, steps=4, checkpoint_dir=str(tmp_path))
+    torch.manual_seed(7)
+    torch.rand(5)
+    checkpoint.save(cfg, _Runner(), 2, {"epoch": 0, "batches_in_epoch": 2}, _ctx(backend))
+    after = torch.rand(5)
+    resume = TrainConfig(**{**cfg.to_dict(), "resume_from": str(tmp_path)})
+    return resume, after
+
+
+def test_a_resumed_run_draws_what_the_saved_one_drew(tmp_path):
+    resume, after = _save_then_draw(tmp_path, "gloo")
+    torch.rand(100)  # move on: the resume must put the generator back
+    assert checkpoint.resume(resume, _Runner(), _Batches(), _ctx("gloo")) == 2
+    torch.testing.assert_close(torch.rand(5), after, atol=0, rtol=0)
+
+
+def test_a_checkpoint_with_the_cpu_state_alone_still_resumes(tmp_path, monkeypatch, fake_allocator):
+    resume, after = _save_then_draw(tmp_path, "gloo")
+    rng = tmp_path / "step_000002" / "rng" / "rank_00000.pt"
+    state = torch.load(rng, weights_only=True)
+    torch.save(state["cpu"], rng)  # how checkpoints were written before: a plain tensor
+    restored = []
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device="cuda": restored.append(s))
+    torch.rand(100)
+    checkpoint.resume(resume, _Runner(), _Batches(), _ctx("nccl"))
+    torch.testing.assert_close(torch.rand(5), after, atol=0, rtol=0)
+    assert restored == []  # no GPU state in the file: none restored
+
+
+def test_a_gpu_runs_checkpoint_keeps_its_device_random_state(tmp_path, monkeypatch, fake_allocator):
+    gpu_state = torch.arange(16, dtype=torch.uint8)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": gpu_state.clone())
+    restored = []
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device="cuda": restored.append(s))
+    resume, after = _save_then_draw(tmp_path, "nccl")
+    torch.rand(100)
+    checkpoint.resume(resume, _Runner(), _Batches(), _ctx("nccl"))
+    torch.testing.assert_close(torch.rand(5), after, atol=0, rtol=0)
+    assert len(restored) == 1
+    torch.testing.assert_close(restored[0], gpu_state, atol=0, rtol=0)
+    restored.clear()
+    checkpoint.resume(resume, _Runner(), _Batches(), _ctx("gloo"))  # a CPU pool: CPU only
+    assert restored == []
+
+
+def test_a_deepspeed_stage0_checkpoint_consolidates_on_a_cpu(tmp_path, monkeypatch):
+    """Its module state holds GPU tensors: loading it anywhere but to the CPU fails on
+    a machine without a GPU, so the load must say map_location="cpu"."""
+    (tmp_path / "ds").mkdir()
+    weights = {"w": torch.arange(4, dtype=torch.float16)}
+    torch.save({"module": weights}, tmp_path / "ds" / "mp_rank_00_model_states.pt")
+    load = torch.load
+
+    def cpu_only(*args, map_location=None, **kw):
+        if map_location != "cpu":
+            raise RuntimeError("Attempting to deserialize object on a GPU device")
+        return load(*args, map_location=map_location, **kw)
+
+    monkeypatch.setattr(torch, "load", cpu_only)
+    full = checkpoint._deepspeed_weights(str(tmp_path))
+    assert full["w"].dtype == torch.float32
+    torch.testing.assert_close(full["w"], weights["w"].float(), atol=0, rtol=0)

@@ -33,6 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from nbpar import device
 from nbpar.checkpoint_meta import (
     FORMAT_VERSION,
     LATEST,
@@ -176,7 +177,7 @@ def save(cfg, runner, step: int, position: dict, ctx: RankContext) -> str:
         os.makedirs(os.path.join(tmp, "rng"))
     _barrier(ctx)
     _save_state(runner, tmp, ctx)
-    torch.save(torch.get_rng_state(), _rng_file(tmp, ctx.rank))
+    torch.save(device.rng_state(ctx.backend), _rng_file(tmp, ctx.rank))  # CPU (+ GPU)
     _barrier(ctx)  # every shard and RNG file is on disk
     if ctx.rank == 0:
         meta = _meta(cfg, runner, step, position, ctx)
@@ -243,7 +244,7 @@ def resume(cfg, runner, batches, ctx: RankContext) -> int:
     _load_state(runner, step_dir, ctx)
     rng = _rng_file(step_dir, ctx.rank)
     if meta["world_size"] == ctx.world and os.path.isfile(rng):
-        torch.set_rng_state(torch.load(rng, weights_only=True))
+        device.set_rng_state(torch.load(rng, map_location="cpu", weights_only=True), ctx.backend)
     per_round = cfg.micro_batch * ctx.dims.dp
     batches.seek(meta["data"]["epoch"], meta["data"]["samples_in_epoch"] // per_round)
     return int(meta["step"])
@@ -307,7 +308,9 @@ def _deepspeed_weights(step_dir: str) -> dict:
 
     if glob.glob(os.path.join(step_dir, DS_TAG, "*optim_states.pt")):
         return get_fp32_state_dict_from_zero_checkpoint(step_dir, tag=DS_TAG)
-    states = torch.load(
-        os.path.join(step_dir, DS_TAG, "mp_rank_00_model_states.pt"), weights_only=False
-    )  # DeepSpeed pickles its config objects too
+    states = torch.load(  # GPU tensors land on the CPU: consolidating needs no GPU
+        os.path.join(step_dir, DS_TAG, "mp_rank_00_model_states.pt"),
+        map_location="cpu",
+        weights_only=False,  # DeepSpeed pickles its config objects too
+    )
     return {k: v.float() for k, v in states["module"].items()}
