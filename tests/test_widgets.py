@@ -114,12 +114,16 @@ def test_hybrid_starts_from_degrees_that_fit_and_advice_that_runs():
     _set(picker, strategy="hybrid")
     assert [picker.fields[k].value for k in ("dp", "tp", "pp")] == [1, 1, 2]
     assert picker.problems == []
+    assert "the degrees were auto" in picker.message  # said, not set silently
+    assert "runs on 2 engines; change them above" in picker.message
     _set(picker, dp=2, pp=2)
     (problem,) = picker.problems
     assert problem.startswith("dp × tp × pp = 2 × 1 × 2 = 4 must equal the number of engines")
     advice = re.search(r"e\.g\. dp (\d) × tp (\d) × pp (\d)", problem)
     _set(picker, **dict(zip(("dp", "tp", "pp"), map(int, advice.groups()))))
     assert picker.problems == [] and not picker.button.disabled
+    _set(picker, dp=2, tp=1, pp=1)
+    assert picker.message.endswith("dp 2 × tp 1 × pp 1")  # degrees the user set: no note
     picker4 = StrategyPicker(FakePool(4), background=False)
     _set(picker4, strategy="hybrid")
     assert [picker4.fields[k].value for k in ("dp", "tp", "pp")] == [2, 1, 2]
@@ -256,6 +260,27 @@ def test_while_a_run_goes_run_is_disabled_and_stop_is_shown():
     assert "<td>done</td>" in picker.runs_list.value
     picker.button.click()
     assert len(picker.runs) == 2 and picker.run is picker.runs[1] is pool.runs[1]
+
+
+def test_the_runs_list_counts_steps_while_the_run_goes():
+    """The list of runs reads the steps the progress bar reads, not 0/N until the end."""
+    pool = FakePool(2, finished=False)
+    picker = StrategyPicker(pool, background=True)
+    _set(picker, steps="6")
+    picker.button.click()
+    picker.dashboard.stop_following()
+    run = pool.runs[0]
+    whole, run.history = run.history, []
+    picker.dashboard.update(force=True)
+    assert "<td>0/6</td>" in picker.runs_list.value
+    run.history = whole[: 2 * 4]  # 4 steps of 2 ranks
+    picker.dashboard.update()
+    assert picker.dashboard.text.startswith("step 4/6")
+    assert "<td>4/6</td><td>" in picker.runs_list.value
+    assert "<td>running</td>" in picker.runs_list.value
+    run.history, run.finished = whole, True
+    picker.dashboard.follow()
+    assert "<td>6/6</td>" in picker.runs_list.value and "<td>done</td>" in picker.runs_list.value
 
 
 def test_single_runs_on_one_rank_and_train_errors_are_shown():

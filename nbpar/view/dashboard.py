@@ -87,6 +87,7 @@ class Dashboard:
         self._stop = threading.Event()
         self._lock = threading.Lock()  # update() runs in the follow thread and in cells
         self._on_finish: list = []
+        self._on_update: list = []
         self._finished = False
 
     # -- data ------------------------------------------------------------------
@@ -162,6 +163,9 @@ class Dashboard:
                     self._stop_button.disabled = True
             if self._handle is not None and (force or done or self._png_due()):
                 self._render_png()
+        if changed:
+            for callback in self._on_update:
+                callback(self)
         return changed
 
     # -- static figure -----------------------------------------------------------
@@ -285,6 +289,11 @@ class Dashboard:
             self._handle = display(Image(self.png()), display_id=True)
 
     # -- following a run ---------------------------------------------------------
+    def on_update(self, callback) -> Dashboard:
+        """Call ``callback(dashboard)`` after each update that read new steps."""
+        self._on_update.append(callback)
+        return self
+
     def on_finish(self, callback) -> Dashboard:
         """Call ``callback(dashboard)`` once, when following ends (the run is done)."""
         self._on_finish.append(callback)

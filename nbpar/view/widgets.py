@@ -44,6 +44,7 @@ class StrategyPicker:
 
         self.pool, self.background = pool, background
         self._message = ""
+        self._auto_layout: dict | None = None  # degrees the picker set for a hybrid
         self.run = self.dashboard = None
         self.runs: list = []
         self.running = False
@@ -224,6 +225,7 @@ class StrategyPicker:
         if strategy == "hybrid" and not any(self.fields[k].value for k in R.DEGREES):
             layout = R.hybrid_layout(self._values()[0], self.pool.n)
             if layout:  # explicit degrees that fit this pool, to start from
+                self._auto_layout = layout  # said next to Run while the degrees keep it
                 for k, v in layout.items():
                     self.fields[k].value = v  # observers refresh again
                 return
@@ -248,9 +250,16 @@ class StrategyPicker:
             cfg = self.config()
             d = cfg.dims(self.world_size(cfg.strategy))
             ranks = "1 rank" if d.world_size == 1 else f"{d.world_size} ranks"
-            self._say(
+            text = (
                 f"ready: {cfg.strategy}/{cfg.backend} on {ranks}, dp {d.dp} × tp {d.tp} × pp {d.pp}"
             )
+            chosen = {k: self.fields[k].value for k in R.DEGREES}
+            if cfg.strategy == "hybrid" and chosen == self._auto_layout:
+                text += (
+                    f" (the degrees were auto: hybrid needs all three, so the picker set a "
+                    f"layout that runs on {self.pool.n} engines; change them above)"
+                )
+            self._say(text)
 
     def _set_running(self, running: bool) -> None:
         self.running = running
@@ -293,9 +302,9 @@ class StrategyPicker:
             return None
         self.run = run
         self.runs.append(run)
-        self.dashboard = Dashboard(run, stop_button=False, chart=self.chart).on_finish(
-            self._finished
-        )
+        self.dashboard = Dashboard(run, stop_button=False, chart=self.chart)
+        # the runs list counts the steps as the progress bar does, not only at the ends
+        self.dashboard.on_update(lambda _d: self._show_runs()).on_finish(self._finished)
         self._show_runs()
         self.output.clear_output(wait=True)
         with self.output:
