@@ -76,6 +76,39 @@ def test_interrupt_stops_a_long_cell_and_keeps_the_pool(pool, sigint_raises):
     assert _allreduce_ok(pool) == 2.0
 
 
+def test_interrupt_of_a_hung_collective_returns_within_2_s_with_the_diagnosis(
+    pool, sigint_raises, capsys
+):
+    import torch.distributed  # noqa: F401  # as in a kernel where a cell has run a while
+
+    fired = {}
+
+    def interrupt_kernel():
+        fired["t"] = time.monotonic()
+        os.kill(os.getpid(), signal.SIGINT)
+
+    # rank 0 never calls the all_reduce that rank 1 waits in; SIGINT cannot end that wait
+    threading.Timer(1.5, interrupt_kernel).start()
+    with pytest.raises(KeyboardInterrupt) as info:
+        pool.execute(
+            "import torch, torch.distributed as dist\n"
+            "if dist.get_rank() != 0:\n    dist.all_reduce(torch.ones(1))"
+        )
+    took = time.monotonic() - fired["t"]
+    assert took < 2.0, f"the interrupt returned after {took:.2f} s"
+    assert info.value._render_traceback_() == [
+        "Interrupted: rank(s) [1] were sent the interrupt (SIGINT)"
+    ]
+    said = capsys.readouterr().err
+    assert "nbpar: rank(s) [1] did not stop" in said
+    assert "rank 0 is not in a collective" in said
+    assert "rank 1 waits in all_reduce" in said and "cell line 3" in said
+    assert pool.busy_ranks() == [1]
+    pool.restart()
+    assert not pool.busy_ranks()
+    assert _allreduce_ok(pool) == 2.0
+
+
 def test_no_engine_outlives_a_killed_kernel(tmp_path):
     """The kernel that made the pool dies without any cleanup: its engines exit too."""
     import subprocess

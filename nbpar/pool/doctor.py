@@ -175,24 +175,39 @@ class DoctorReport:
         return "<pre class='nbpar-doctor'>" + html.escape(str(self)) + "</pre>"
 
 
+class Question:
+    """The doctor's request, sent to the ranks at once; `report` collects the answers
+    (each rank's side thread answers within about `snapshot.POLL_S`)."""
+
+    def __init__(self, pool, ranks=None, abort: bool = False):
+        self.pool = pool
+        self.ranks = list(range(pool.n)) if ranks is None else list(ranks)
+        self.dead = pool.dead_ranks()
+        self.reports: dict = {}
+        self.keys: dict = {}
+        if 0 not in self.dead:  # rank 0's engine serves the store
+            self.store = pool.store()
+            n = self.store.add(f"{KEY}/seq", 1)
+            self.store.set(f"{KEY}/req/{n}", "abort" if abort else "look")
+            self.keys = {r: f"{KEY}/rep/{n}/{r}" for r in self.ranks if r not in self.dead}
+
+    def report(self, timeout: float = ANSWER_S) -> DoctorReport:
+        """The answers that arrive within ``timeout`` seconds (all of them, or fewer)."""
+        deadline = time.monotonic() + timeout
+        while self.keys:
+            for r, key in list(self.keys.items()):
+                if self.store.check([key]):
+                    self.reports[r] = json.loads(self.store.get(key))
+                    del self.keys[r]
+            if not self.keys or time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)
+        return DoctorReport(self.reports, self.ranks, self.pool.backend, self.dead)
+
+
 def ask(pool, ranks=None, timeout: float = ANSWER_S, abort: bool = False) -> DoctorReport:
     """Ask every rank where it is, through the rendezvous store (works across hosts)."""
-    ranks = list(range(pool.n)) if ranks is None else list(ranks)
-    dead = pool.dead_ranks()
-    reports: dict = {}
-    if 0 not in dead:  # rank 0's engine serves the store
-        store = pool.store()
-        n = store.add(f"{KEY}/seq", 1)
-        store.set(f"{KEY}/req/{n}", "abort" if abort else "look")
-        keys = {r: f"{KEY}/rep/{n}/{r}" for r in ranks if r not in dead}
-        deadline = time.monotonic() + timeout
-        while keys and time.monotonic() < deadline:
-            for r, key in list(keys.items()):
-                if store.check([key]):
-                    reports[r] = json.loads(store.get(key))
-                    del keys[r]
-            time.sleep(0.02)
-    return DoctorReport(reports, ranks, pool.backend, dead)
+    return Question(pool, ranks, abort).report(timeout)
 
 
 def doctor(pool, abort: bool = False) -> DoctorReport:

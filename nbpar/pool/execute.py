@@ -21,9 +21,15 @@ GRACE_S = 2.0
 OUTPUT_WAIT_S = 5.0
 #: A cell's live plot of nbpar.log records is first polled after this many seconds.
 POLL_AFTER_S = 0.3
-#: A wait with a timeout this far along imports torch.distributed in the kernel in the
-#: background: the doctor that runs at the timeout needs it (1.5 s or more otherwise).
-WARM_DOCTOR_S = 1.0
+#: A wait this far along imports torch.distributed in the kernel in the background: the
+#: doctor that explains a timeout or an interrupt needs it (1.5 s or more otherwise).
+WARM_DOCTOR_S = 0.3
+#: Seconds the ranks get to stop after an interrupt before they count as stuck.
+STOP_S = 0.4
+#: Seconds an interrupt may take in all, the stuck ranks' diagnosis included.
+INTERRUPT_S = 0.9
+# The kernel's one background import of torch.distributed (`_warm_doctor`), once started.
+_warming: dict = {}
 
 
 def _warm_doctor() -> None:
@@ -32,8 +38,19 @@ def _warm_doctor() -> None:
     def warm():
         import torch.distributed  # noqa: F401
 
-    if "torch.distributed" not in sys.modules:
-        threading.Thread(target=warm, name="nbpar-warm-doctor", daemon=True).start()
+    if "torch.distributed" not in sys.modules and "thread" not in _warming:
+        _warming["thread"] = threading.Thread(target=warm, name="nbpar-warm-doctor", daemon=True)
+        _warming["thread"].start()
+
+
+def _doctor_ready(deadline: float) -> bool:
+    """Whether the kernel can ask the doctor now: torch.distributed imported, or its
+    background import done by ``deadline``."""
+    thread = _warming.get("thread")
+    if thread is not None:
+        thread.join(max(0.0, deadline - time.monotonic()))
+        return not thread.is_alive()
+    return "torch.distributed" in sys.modules
 
 
 class DistResult:
@@ -96,7 +113,7 @@ def wait_all(
     start = time.monotonic()
     first_failure = None
     quiet_until = start + POLL_AFTER_S  # short cells never pay for on_poll
-    warm_at = None if timeout is None else start + min(WARM_DOCTOR_S, timeout / 2)
+    warm_at = start + (WARM_DOCTOR_S if timeout is None else min(WARM_DOCTOR_S, timeout / 2))
     try:
         while True:
             pending = [r for r, ar in ars.items() if not ar.ready()]
@@ -160,12 +177,22 @@ def wait_all(
     raise err
 
 
-def _diagnosis(pool):
-    """(the doctor's report or None, its one line) — never raises: it explains an error."""
-    from nbpar.pool.doctor import ask
+def _diagnosis(pool, timeout: float | None = None):
+    """(the doctor's report or None, its one line) — never raises: it explains an error.
+
+    Asks the ranks first and prepares spare engines while they answer: a restart is
+    the likely next step. ``timeout``: seconds for the answers (None: the doctor's).
+    """
+    from nbpar.pool import doctor
 
     try:
-        report = ask(pool)
+        question = doctor.Question(pool)
+    except Exception as err:
+        pool.prepare_restart()
+        return None, f"the doctor could not look at the ranks ({err})"
+    pool.prepare_restart()
+    try:
+        report = question.report(doctor.ANSWER_S if timeout is None else timeout)
     except Exception as err:
         return None, f"the doctor could not look at the ranks ({err})"
     return report, report.diagnosis
@@ -174,7 +201,6 @@ def _diagnosis(pool):
 def _timed_out(pool, ars, pending, timeout) -> DistTimeout:
     done = sorted(set(ars) - set(pending))
     report, why = _diagnosis(pool)
-    pool.prepare_restart()  # a restart is the likely next step: warm engines for it
     return DistTimeout(
         f"rank(s) {pending} did not finish within {timeout:g} s"
         + (f" (rank(s) {done} did)" if done else "")
@@ -186,29 +212,37 @@ def _timed_out(pool, ars, pending, timeout) -> DistTimeout:
     )
 
 
-def interrupt(pool, ranks, ars, wait_s: float = 3.0) -> None:
-    """Send SIGINT to the engines of ``ranks``; report ranks that stay stuck."""
+def interrupt(pool, ranks, ars, wait_s: float = STOP_S) -> None:
+    """Send SIGINT to the engines of ``ranks``; report ranks that stay stuck.
+
+    Ranks that have not stopped after ``wait_s`` (one blocked in a collective ignores
+    SIGINT) are named with the doctor's diagnosis, all within about `INTERRUPT_S`.
+    """
     if not ranks:
         return
-    pids = [pool.engines[r]["pid"] for r in ranks]
     import os
 
-    for pid in pids:
+    start = time.monotonic()
+    for pid in [pool.engines[r]["pid"] for r in ranks]:
         try:
             os.kill(pid, signal.SIGINT)
         except OSError:
             pass
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and not all(ars[r].ready() for r in ranks):
-        time.sleep(0.05)
+    while time.monotonic() < start + wait_s and not all(ars[r].ready() for r in ranks):
+        time.sleep(0.02)
     stuck = [r for r in ranks if not ars[r].ready()]
-    if stuck:
+    if not stuck:
+        return
+    budget = start + max(INTERRUPT_S, wait_s + 0.5)
+    if _doctor_ready(budget - 0.4):
+        why = _diagnosis(pool, timeout=max(0.1, budget - time.monotonic()))[1]
+    else:  # the kernel is still importing torch.distributed: no waiting for it
         pool.prepare_restart()
-        print(
-            f"nbpar: rank(s) {stuck} did not stop ({_diagnosis(pool)[1]}): run "
-            f"`%dist restart` to get the pool back",
-            file=sys.stderr,
-        )
+        why = "`%dist doctor` shows where they are"
+    print(
+        f"nbpar: rank(s) {stuck} did not stop ({why}): run `%dist restart` to get the pool back",
+        file=sys.stderr,
+    )
 
 
 def run_cell(
