@@ -85,8 +85,12 @@ class DistResult:
                 print(f"[rank {r}] {line}", file=sys.stderr)
             if "text/plain" in self.results[r]:
                 print(f"[rank {r}] Out: {self.results[r]['text/plain']}")
-            sys.stdout.flush()
-            sys.stderr.flush()
+            # each rank's lines in messages of their own; but a flush is a round trip to
+            # a kernel's output thread: none for a stream this rank wrote nothing to
+            if self.stdout[r] or "text/plain" in self.results[r] or self.outputs[r]:
+                sys.stdout.flush()
+            if self.stderr[r] or self.outputs[r]:
+                sys.stderr.flush()
             for out in self.outputs[r]:
                 publish_display_data(out.get("data", {}), out.get("metadata", {}))
 

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import shlex
 
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
@@ -19,6 +20,7 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
+@functools.cache  # built once: parsing leaves no state on it
 def _cell_parser() -> _Parser:
     p = _Parser(prog="%%dist", add_help=False)
     p.add_argument(

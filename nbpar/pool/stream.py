@@ -77,7 +77,9 @@ class LiveOutput:
         self.handle.update({"text/plain": "\n".join(self.lines)}, raw=True)
 
     def finish(self) -> None:
-        """Empty the live area: the grouped output that follows replaces it."""
-        if self.handle is not None:
+        """Empty the live area: the grouped output that follows replaces it. An area
+        that never showed a line is empty already (and an update costs a flush of the
+        kernel's output streams)."""
+        if self.handle is not None and self.lines:
             self.handle.update({"text/plain": ""}, raw=True)
-            self.handle = None
+        self.handle = None
