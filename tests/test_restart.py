@@ -50,3 +50,26 @@ def test_restart_without_spares_overlaps_start_and_kill(pool):
         "import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()"
     )
     assert [res.results[r]["text/plain"] for r in (0, 1)] == ["2.0", "2.0"]
+
+
+def test_restart_right_after_a_timeout_uses_the_starting_spares_and_leaves_none(pool):
+    from nbpar.bench.launch import HANG
+    from nbpar.errors import DistTimeout
+
+    old = {e["pid"] for e in pool.engines}
+    with pytest.raises(DistTimeout):
+        pool.execute(HANG, timeout=1.0)
+    spares = engine_pids() - old
+    assert len(spares) == pool.n  # the timeout started them, before its diagnosis
+    pool.restart()  # at once: the spares are still starting
+    new = {e["pid"] for e in pool.engines}
+    assert new == spares and len(pool.status()) == pool.n
+    assert [r["rank"] for r in pool.status()] == list(range(pool.n))
+    deadline = time.monotonic() + 5
+    while engine_pids() != new and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert engine_pids() == new, "an old engine outlived the restart"
+    res = pool.execute(
+        "import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()"
+    )
+    assert [res.results[r]["text/plain"] for r in (0, 1)] == ["2.0", "2.0"]
