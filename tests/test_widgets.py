@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+import nbpar
 from nbpar import config as C
 from nbpar.config import GPTConfig
 from nbpar.view.dashboard import Dashboard
@@ -281,6 +282,28 @@ def test_the_runs_list_counts_steps_while_the_run_goes():
     run.history, run.finished = whole, True
     picker.dashboard.follow()
     assert "<td>6/6</td>" in picker.runs_list.value and "<td>done</td>" in picker.runs_list.value
+
+
+def test_compare_these_runs_puts_the_finished_runs_side_by_side():
+    pool = FakePool(2)
+    picker = StrategyPicker(pool, background=False)
+    _set(picker, steps="4")
+    picker.button.click()
+    assert picker.compare_button.layout.display == "none"  # one run: nothing to compare
+    _set(picker, strategy="zero2")
+    picker.button.click()
+    assert picker.compare_button.layout.display is None
+    cmp = picker.compare()
+    assert [row["label"] for row in cmp.table] == ["runs[0] ddp/torch", "runs[1] zero2/torch"]
+    assert cmp.table == nbpar.compare(picker.runs, labels=[r["label"] for r in cmp.table]).table
+    pool.finished, picker.background = False, True  # a run still going is left out
+    picker.button.click()
+    picker.dashboard.stop_following()
+    assert [row["label"] for row in picker.compare().table] == [
+        "runs[0] ddp/torch",
+        "runs[1] zero2/torch",
+    ]
+    picker._show_comparison()  # the button's handler shows it in its output area
 
 
 def test_single_runs_on_one_rank_and_train_errors_are_shown():

@@ -34,6 +34,20 @@ def run_row(run) -> dict:
     }
 
 
+def finished_runs(runs: list) -> list:
+    """The runs that ended with a result (done or stopped, not failed): what compare takes."""
+    out = []
+    for run in runs:
+        if not run.done():
+            continue
+        try:
+            run.result()
+        except Exception:  # a failed run has no result to compare
+            continue
+        out.append(run)
+    return out
+
+
 def runs_table(runs: list) -> str:
     """HTML table of ``runs`` (``picker.runs[i]`` in the first column); "" when empty."""
     if not runs:

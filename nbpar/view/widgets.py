@@ -103,6 +103,13 @@ class StrategyPicker:
             layout=w.Layout(display="none"),
         )
         self.runs_list = w.HTML()
+        self.compare_button = w.Button(
+            description="Compare these runs",
+            icon="table",
+            tooltip="nbpar.compare of the finished runs: memory, time, bytes, loss side by side",
+            layout=w.Layout(width="auto", display="none"),
+        )
+        self.compare_output = w.Output()
         self.output = w.Output()
         # the runs' chart, on the page before the first run (hidden), so a run's first
         # step is drawn as soon as it is done, not after the chart's code has loaded
@@ -116,6 +123,7 @@ class StrategyPicker:
             (self.runs_list, "runs-list"),
             (self.button, "run"),
             (self.stop_button, "stop"),
+            (self.compare_button, "compare"),
         ):
             widget.add_class(f"nbpar-{name}")
         columns = [
@@ -129,6 +137,8 @@ class StrategyPicker:
                 self.batch_label,
                 w.HBox([self.button, self.stop_button, self.explanation]),
                 self.runs_list,
+                self.compare_button,
+                self.compare_output,
                 self.output,
                 w.Box([self.chart], layout=w.Layout(display="none")),
             ]
@@ -136,6 +146,7 @@ class StrategyPicker:
         self.widget.add_class("nbpar-picker")
         self.button.on_click(self._launch)
         self.stop_button.on_click(self._stop)
+        self.compare_button.on_click(self._show_comparison)
 
     # -- what the widgets say ------------------------------------------------------
     def world_size(self, strategy: str | None = None) -> int:
@@ -321,9 +332,31 @@ class StrategyPicker:
         self._refresh()
 
     def _show_runs(self) -> None:
-        from nbpar.view.picker_runs import runs_table
+        from nbpar.view.picker_runs import finished_runs, runs_table
 
         self.runs_list.value = runs_table(self.runs)
+        # offered once two runs have results to put side by side
+        self.compare_button.layout.display = None if len(finished_runs(self.runs)) > 1 else "none"
+
+    def compare(self):
+        """`nbpar.compare` of this picker's finished runs (failed and running ones left
+        out), labelled ``picker.runs[i]`` as the list of runs names them."""
+        from nbpar.view.compare import compare
+        from nbpar.view.history import run_label
+        from nbpar.view.picker_runs import finished_runs
+
+        done = finished_runs(self.runs)
+        if not done:
+            raise ValueError("no finished run to compare yet: press Run, let it finish")
+        labels = [f"runs[{self.runs.index(r)}] {run_label(r)}" for r in done]
+        return compare(done, labels=labels)
+
+    def _show_comparison(self, _button=None) -> None:
+        from IPython.display import display
+
+        self.compare_output.clear_output(wait=True)
+        with self.compare_output:
+            display(self.compare())
 
     def _ipython_display_(self):
         from IPython.display import display
