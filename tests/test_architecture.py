@@ -289,3 +289,26 @@ def test_the_readme_layout_draws_every_layer_and_names_every_module():
         if f.name not in ("__init__.py", "__main__.py")
     }
     assert sorted(m for m in modules if m not in layout) == []
+
+
+def cuda_literals(root: pathlib.Path) -> list[str]:
+    """Every string literal naming 'cuda' in the package outside nbpar/device.py."""
+    import io
+    import tokenize
+
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.relative_to(root).as_posix() == "device.py":
+            continue
+        tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+        for tok in tokens:
+            if tok.type == tokenize.STRING and "cuda" in tok.string.lower():
+                found.append(f"{path.relative_to(root)}:{tok.start[0]}")
+    return found
+
+
+def test_only_the_device_module_names_cuda(tmp_path):
+    assert cuda_literals(ROOT / "nbpar") == []
+    (tmp_path / "device.py").write_text('KIND = "cuda"\n')
+    (tmp_path / "loop.py").write_text('where = "cuda:0"  # a device chosen outside device.py\n')
+    assert cuda_literals(tmp_path) == ["loop.py:1"]
