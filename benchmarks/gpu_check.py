@@ -88,8 +88,8 @@ def allocator_check(history: list[dict]) -> dict:
     """nbpar's tracked memory beside the CUDA caching allocator's, at the metered step.
 
     ``tracked_peak_bytes`` is `nbpar.measure.memtrack`'s peak of live storages during the
-    metered step; ``device_peak_bytes`` the allocator's peak since the run began (so it
-    also covers the steps before it: the first creates the optimizer state) and
+    metered step; ``device_peak_bytes`` the allocator's peak during that step (the loop
+    resets it at every step's start, as the CPU figures are per step) and
     ``device_allocated_bytes`` what it holds after the step, beside the model states
     nbpar counts then. The allocator rounds each block up (512 B) and holds cuBLAS/NCCL
     workspaces nbpar does not see, so its figures are expected a little higher; a ratio
@@ -157,6 +157,9 @@ def main(argv=None) -> dict:
     from nbpar.config import GPTConfig, TrainConfig
     from nbpar.model.models import build_model
 
+    problem = None if args.dry_run else device.cpu_torch_on_a_gpu_machine()
+    if problem:  # not a CPU result that reads as the GPU's
+        return {"device": None, "error": problem, "runs": []}
     gpus = 0 if args.dry_run else device.accelerator_count()
     backend = device.default_backend(gpus)
     name = device.gpu_name() if gpus else "cpu"

@@ -37,6 +37,36 @@ def accelerator_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def nvidia_present() -> bool:
+    """Whether this host has an NVIDIA GPU device or driver tool, whatever torch says:
+    ``NBPAR_NVIDIA_DEV`` (default /dev/nvidia0, as scripts/install_torch.sh reads it),
+    another /dev/nvidiaN, or nvidia-smi on the PATH."""
+    import shutil
+
+    dev = os.environ.get("NBPAR_NVIDIA_DEV", "/dev/nvidia0")
+    return (
+        os.path.exists(dev)
+        or bool(glob.glob("/dev/nvidia[0-9]*"))
+        or bool(shutil.which("nvidia-smi"))
+    )
+
+
+def cpu_torch_on_a_gpu_machine() -> str | None:
+    """One sentence when this host has an NVIDIA GPU and the installed torch was built
+    without CUDA (every run would quietly fall back to gloo on the CPU), else None."""
+    if not nvidia_present():
+        return None
+    import torch
+
+    if torch.version.cuda is not None:
+        return None
+    return (
+        f"this machine has an NVIDIA GPU but torch {torch.__version__} was built without "
+        f"CUDA: reinstall torch from the default index (pip install --force-reinstall "
+        f"torch=={torch.__version__.split('+')[0]}) or see scripts/install_torch.sh"
+    )
+
+
 def default_backend(n_gpus: int | None = None) -> str:
     """nccl when GPUs are present, gloo otherwise."""
     if n_gpus is None:

@@ -302,7 +302,7 @@ def cuda_literals(root: pathlib.Path) -> list[str]:
             continue
         tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
         for tok in tokens:
-            if tok.type == tokenize.STRING and "cuda" in tok.string.lower():
+            if tok.type == tokenize.STRING and "cuda" in tok.string:
                 found.append(f"{path.relative_to(root)}:{tok.start[0]}")
     return found
 

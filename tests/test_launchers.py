@@ -209,6 +209,31 @@ def test_gpu_check_dry_run_prints_one_json_object_on_cpu():
         assert check["device_peak_bytes"] is check["peak_ratio"] is None
 
 
+@pytest.mark.timeout(120)
+def test_gpu_check_refuses_a_cpu_torch_on_a_machine_with_an_nvidia_device(tmp_path):
+    """A GPU machine whose torch has no CUDA would measure the CPU and call it the GPU's:
+    the check says so and exits non-zero (here: a fake device file, this CPU torch)."""
+    import os
+
+    fake = tmp_path / "nvidia0"
+    fake.write_text("")
+    env = {**os.environ, "NBPAR_NVIDIA_DEV": str(fake)}
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--strategies", "single"],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=ROOT,
+        env=env,
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    res = json.loads(out.stdout)
+    assert res["runs"] == [] and "was built without CUDA" in res["error"]
+    from nbpar import device
+
+    assert device.cpu_torch_on_a_gpu_machine() is None or device.nvidia_present()
+
+
 def test_gpu_check_sets_tracked_memory_beside_the_allocators():
     import importlib
 
