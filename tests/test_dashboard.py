@@ -83,7 +83,7 @@ def test_loss_is_one_global_line_and_rank_lines_only_when_ranks_differ():
     run = FakeRun(history=history(4, local=True))  # records with each rank's own loss
     dash = live(run)
     labels = [s["label"] for s in _panel(dash.chart.spec, "loss")["series"]]
-    assert labels == ["loss (mean over ranks)", "rank 0 own batch", "rank 1 own batch"]
+    assert labels == ["loss (mean over ranks)", "rank 0 replica batch", "rank 1 replica batch"]
     for i, rank in enumerate((0, 1), start=1):
         assert _col(dash.chart, "loss", i) == [
             r["local_loss"] for r in run.history if r["rank"] == rank

@@ -2,7 +2,7 @@
 
 `LiveFeed` reads a run's step records as they arrive and returns only the steps that
 are new since the last read, as columns for `nbpar.view.livechart.LiveChart`. Lines
-are per rank only where ranks differ: each rank's loss on its own micro-batches
+are per rank only where ranks differ: each rank's loss on its replica's micro-batches
 (``local_loss``, when the records carry it), step and communication time, memory.
 The loss every rank reports after averaging is one line. Model states (params +
 grads + optimizer) get their own panel, in their own scale, beside the process memory
@@ -76,7 +76,7 @@ def build_spec(ranks: list[int], first: list[dict]) -> dict:
     loss = [{"label": "loss (mean over ranks)", "color": "#222222", "width": 2.5}]
     if local:
         loss += [
-            _series(f"rank {r} own batch", i, width=1, light=True) for i, r in enumerate(ranks)
+            _series(f"rank {r} replica batch", i, width=1, light=True) for i, r in enumerate(ranks)
         ]
     step = [_series(f"rank {r} step", i) for i, r in enumerate(ranks)]
     step += [_series(f"rank {r} exposed comm", i, width=1, light=True) for i, r in enumerate(ranks)]
@@ -233,7 +233,9 @@ class LiveFeed:
             for r in ranks
         )
         loss = (
-            "dark: the loss averaged over ranks; light: each rank's loss on its own micro-batches"
+            "dark: the loss averaged over ranks; light: each rank's loss on its data-parallel "
+            "replica's micro-batches (the ranks of one tp group or pipeline share a replica, "
+            "so their lines coincide)"
             if spec["local_loss"]
             else "the loss averaged over ranks (every rank reports this same value)"
         )

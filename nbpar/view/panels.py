@@ -51,13 +51,14 @@ def _rescale(ax) -> None:
 
 class LossPanel:
     """The run's loss (averaged over ranks: one line) and, when the records carry
-    ``local_loss``, each rank's loss on its own micro-batches before averaging."""
+    ``local_loss``, each rank's loss on its data-parallel replica's micro-batches
+    before averaging (ranks of one tp group or pipeline share one)."""
 
     def __init__(self, ax, ranks):
         self.ax = ax
         (self.line,) = ax.plot([], [], color="0.15", lw=2, label="loss (mean over ranks)")
         self.local = {
-            r: ax.plot([], [], lw=1, ls="--", label=f"rank {r} own batch")[0] for r in ranks
+            r: ax.plot([], [], lw=1, ls="--", label=f"rank {r} replica batch")[0] for r in ranks
         }
         ax.set_title("loss", fontsize="medium")
         ax.set_xlabel("step")

@@ -115,13 +115,31 @@ function fmt(unit, v, step) {
 }
 
 // -- drawing ------------------------------------------------------------------------
+// Seconds from zero up to twice the 95th percentile of the steps after the first two:
+// their one-off set-up (several normal steps long) would squash every later step into
+// the bottom of the panel; a spike above that runs off the top.
+function secondsRange(data, hi) {
+  const vals = [];
+  for (let k = 1; k < data.length; k++) {
+    for (let i = 2; i < data[k].length; i++) {
+      const v = data[k][i];
+      if (v !== null && v !== undefined && Number.isFinite(v)) vals.push(v);
+    }
+  }
+  if (vals.length < 5) return [0, Math.max(hi, 1e-6) * 1.1];
+  vals.sort((a, b) => a - b);
+  const top = 2 * vals[Math.floor(0.95 * (vals.length - 1))];
+  return [0, Math.max(Math.min(hi, top), 1e-6) * 1.1];
+}
+
 function options(panel, width, ink) {
   const grid = { stroke: "rgba(128,128,128,0.18)", width: 1 };
   // ticks: bytes and seconds with their unit, rates as plain numbers (the title says the unit)
   const tick = panel.unit === "B" || panel.unit === "s" ? panel.unit : "";
   const yvalues = (u, vals, axis, space, incr) => vals.map((v) => fmt(tick, v, incr));
   // memory from zero: levels read as amounts, and a flat line is not blown up into noise
-  const y = panel.unit === "B" ? { range: (u, lo, hi) => [0, Math.max(hi, 1) * 1.15] } : {};
+  const y = panel.unit === "B" ? { range: (u, lo, hi) => [0, Math.max(hi, 1) * 1.15] }
+    : panel.unit === "s" ? { range: (u, lo, hi) => secondsRange(u.data, hi) } : {};
   return {
     width, height: HEIGHT,
     cursor: { drag: { x: false, y: false } },
