@@ -74,6 +74,34 @@ def default_backend(n_gpus: int | None = None) -> str:
     return "nccl" if n_gpus > 0 else "gloo"
 
 
+def pool_plan(
+    n: int | None, backend: str | None, n_gpus: int, local: bool = True
+) -> tuple[int, str, str | None]:
+    """(engines, backend, one-line note or None) for a pool asked for ``n`` engines.
+
+    ``n`` None: one engine per GPU, else 2. With fewer GPUs than engines and no backend
+    given the pool runs CPU engines on gloo, because engines cannot share one GPU under
+    NCCL and gloo on the CPU is what every notebook is written for; an explicit "nccl"
+    with too few GPUs (local launcher) is a ValueError before anything starts.
+    """
+    if n is None:
+        n = n_gpus if n_gpus > 0 and backend != "gloo" else 2
+    note = None
+    if backend is None:
+        backend = "nccl" if 0 < n <= n_gpus or (n_gpus > 0 and not local) else "gloo"
+        if backend == "gloo" and n_gpus > 0:
+            note = (
+                f"{n} engines on {n_gpus} GPU(s): CPU engines on gloo "
+                f"(pass backend='nccl' with at most {n_gpus} engines to use the GPUs)"
+            )
+    elif backend == "nccl" and local and n > n_gpus:
+        raise ValueError(
+            f"{n} GPU engines asked for but this machine has {n_gpus} "
+            f"GPU(s): use Pool({n_gpus}) or backend='gloo'"
+        )
+    return n, backend, note
+
+
 def process_group_backend(backend: str) -> str:
     """What ``init_process_group`` is given for a pool on ``backend``: on GPUs the
     default group carries gloo for CPU tensors beside nccl for GPU ones, so a CPU

@@ -65,17 +65,13 @@ class Pool:
         **cluster_kwargs,
     ):
         n_gpus = device.accelerator_count() if backend in (None, "nccl") else 0
-        if backend is None:
-            backend = device.default_backend(n_gpus)
-        if backend not in device.BACKENDS:
+        if backend is not None and backend not in device.BACKENDS:
             raise ValueError(f"backend must be one of {device.BACKENDS}, got {backend!r}")
-        n = startup.check_size(n if n is not None else (n_gpus or 2))
+        if n is not None:
+            startup.check_size(n)
         check_launcher(launcher)
-        if backend == "nccl" and launcher == "local" and n > n_gpus:
-            raise ValueError(
-                f"{n} GPU engines asked for but this machine has {n_gpus} "
-                f"GPU(s): use Pool({n_gpus}) or backend='gloo'"
-            )
+        n, backend, self.note = device.pool_plan(n, backend, n_gpus, launcher == "local")
+        n = startup.check_size(n)
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout must be positive seconds or None, got {timeout!r}")
         env = {str(k): str(v) for k, v in (env or {}).items()}
@@ -107,6 +103,8 @@ class Pool:
         if self.auto_restart:  # it restarts by itself: keep warm engines ready for it
             self.prepare_restart()
         self.activate()
+        if self.note:
+            print(self.note)  # once, at start: why the GPUs are not used
 
     # -- lifecycle ---------------------------------------------------------
     @classmethod
@@ -130,6 +128,7 @@ class Pool:
         self = cls.__new__(cls)
         self.backend = backend or device.default_backend()
         self.launcher, self.owned, self.closed, self.cluster = "connected", False, False, None
+        self.note = None
         self.auto_restart = kwargs.pop("restart", None) == "auto"
         self.timeout = kwargs.pop("timeout", None)
         self.pg_timeout = kwargs.pop("pg_timeout", 300.0)

@@ -64,7 +64,8 @@ def status_text(pool) -> str:
     table = [list(COLUMNS)] + [_cells(r) for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
-    return "\n".join([head, *lines])
+    note = [pool.note] if getattr(pool, "note", None) else []
+    return "\n".join([head, *note, *lines])
 
 
 def status_html(pool) -> str:
