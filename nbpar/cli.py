@@ -116,7 +116,9 @@ def train_config(args):
         raise UsageError(str(err)) from None
     engines = args.engines
     if engines is None:
-        engines = engines_for(cfg.strategy, 2)
+        from nbpar import device  # one engine per GPU, or 2 on a CPU
+
+        engines = engines_for(cfg.strategy, device.accelerator_count() or 2)
         dims = [d for d in (args.dp, args.tp, args.pp) if d]
         if dims:
             engines = 1

@@ -62,3 +62,14 @@ def test_explicit_nccl_on_a_faked_one_gpu_machine_is_refused_before_start(monkey
     monkeypatch.setattr(device, "accelerator_count", lambda: 1)
     with pytest.raises(ValueError, match=r"use Pool\(1\) or backend='gloo'"):
         nbpar.Pool(2, backend="nccl")
+
+
+@pytest.mark.parametrize(
+    ("n_gpus", "flags", "engines"), [(0, [], 2), (8, [], 8), (8, ["--engines", "3"], 3)]
+)
+def test_cli_train_engines_default_is_one_per_gpu_or_two(monkeypatch, n_gpus, flags, engines):
+    from nbpar.cli import build_parser, train_config
+
+    monkeypatch.setattr(device, "accelerator_count", lambda: n_gpus)
+    argv = ["train", "--strategy", "ddp", "--model", "tiny_gpt", "--steps", "1", *flags]
+    assert train_config(build_parser().parse_args(argv))[1] == engines
