@@ -185,6 +185,7 @@ class Pool:
             env=self.env,
             watch=watch,
         )
+        self._engine_ids = [e["engine_id"] for e in self.engines]  # rank order (by host)
         if self.owned:
             self._sets.use(self.client, self._engine_ids)
 

@@ -104,6 +104,40 @@ def controller_host(client, ip: str) -> str:
     return host or "127.0.0.1"
 
 
+LOOPBACK_OR_ANY = ("", "*", "0.0.0.0", "localhost")
+
+
+def rank_order(ids: list[int], hosts: dict[int, str]) -> list[int]:
+    """Engine ids in rank order: by (host, engine id), so consecutive ranks share a
+    host (tensor-parallel groups stay on one node) and LOCAL_RANK counts within it."""
+    return sorted(ids, key=lambda eid: (hosts[eid], eid))
+
+
+def store_peer(controller: str, engines: list[dict], here: str) -> str:
+    """Where engine 0 routes to when it picks its rendezvous address.
+
+    ``controller``: the host the client reached the controller at; ``engines``: one
+    ``worker.whoami`` dict per rank (engine 0 first); ``here``: the client's hostname.
+    A routable controller is the answer; a loopback or wildcard one (``ip="0.0.0.0"``)
+    is, unless every engine runs here, replaced by another host's engine address, so
+    engine 0 listens on the interface that reaches the other nodes.
+    """
+    if controller not in LOOPBACK_OR_ANY and not controller.startswith("127."):
+        return controller
+    first = engines[0]["host"]
+    others = [e for e in engines if e["host"] != first]
+    if not others:
+        return "127.0.0.1"  # one host: loopback reaches every rank
+    for e in [*others, engines[0]]:  # engine 0's own address routes to itself
+        if e["addr"]:
+            return e["addr"]
+    raise PoolError(
+        f"the controller listens on {controller!r} but engines run on "
+        f"{sorted({e['host'] for e in engines})} and none reported a routable address: "
+        f"pass ip=<this host's address on the cluster network> to Pool"
+    )
+
+
 def rendezvous(
     client,
     ids: list[int],
@@ -116,13 +150,15 @@ def rendezvous(
     env: dict,
     watch: dict | None,
 ) -> tuple[list[dict], str, int]:
-    """Engine ``ids[0]`` opens the store; engines ``ids`` join the process group as ranks
-    0, 1, ... Returns (one dict per rank as `worker.join` reports it, store address, port)."""
+    """Engines ``ids`` join the process group in `rank_order`; rank 0's engine opens the
+    store on the address `store_peer` picks. Returns (one dict per rank as `worker.join`
+    reports it, with its ``engine_id``, store address, port)."""
     from nbpar.pool import worker
 
-    addr, port = client[ids[0]].apply_sync(
-        worker.open_store, controller_host(client, ip), port or 0, pg_timeout
-    )
+    who = dict(zip(ids, client[ids].apply_sync(worker.whoami)))
+    ids = rank_order(ids, {eid: w["host"] for eid, w in who.items()})
+    peer = store_peer(controller_host(client, ip), [who[e] for e in ids], socket.gethostname())
+    addr, port = client[ids[0]].apply_sync(worker.open_store, peer, port or 0, pg_timeout)
     n = len(ids)
     results = [
         client[eid].apply_async(worker.join, rank, n, addr, port, backend, pg_timeout, env, watch)

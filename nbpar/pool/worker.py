@@ -36,6 +36,24 @@ def routable_address(peer_host: str) -> str:
         return socket.gethostbyname(socket.gethostname())
 
 
+def whoami() -> dict:
+    """This engine's hostname and an address other hosts may reach it at (None: only
+    loopback found): its hostname's address, else the interface of its default route."""
+    host = socket.gethostname()
+    try:
+        addr = socket.gethostbyname(host)
+    except OSError:
+        addr = None
+    if addr is None or addr.startswith("127."):
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect(("10.255.255.255", 9))  # UDP connect sends nothing
+                addr = s.getsockname()[0]
+        except OSError:
+            addr = None
+    return {"host": host, "addr": None if addr is None or addr.startswith("127.") else addr}
+
+
 def leave() -> None:
     """Destroy this engine's process groups and store (safe to call twice)."""
     import torch.distributed as dist
