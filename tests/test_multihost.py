@@ -68,32 +68,43 @@ class Hosts:
     def addr(i: int) -> str:
         return f"{SUBNET}.{i + 2}"
 
-    def start_controller(self):
+    def start_controller(self, ip: str = HOST_IP):
+        """ip="0.0.0.0" is the Slurm recipe: listen everywhere, advertise HOST_IP."""
         import ipyparallel as ipp
 
         from nbpar.pool.startup import CONTROLLER_ARGS
 
-        self.cluster = ipp.Cluster(
-            n=0, controller_ip=HOST_IP, log_level=40, controller_args=list(CONTROLLER_ARGS)
-        )
+        args = [*CONTROLLER_ARGS, f"--IPController.location={HOST_IP}"]
+        self.cluster = ipp.Cluster(n=0, controller_ip=ip, log_level=40, controller_args=args)
         self.cluster.start_controller_sync()
         return self.cluster
 
-    def start_engine(self, i: int, log_dir) -> None:
-        """`ip netns exec` + a UTS namespace: engine i on fake host nbphost<i>."""
+    def start_engine(self, i: int, log_dir, host: int | None = None) -> None:
+        """`ip netns exec` + a UTS namespace: engine i on fake host nbphost<host> (default i)."""
+        host = i if host is None else host
         cfile = os.path.join(
             self.cluster.profile_dir,
             "security",
             f"ipcontroller-{self.cluster.cluster_id}-engine.json",
         )
         engine = (
-            f"hostname nbphost{i} && exec {sys.executable} -m nbpar.pool.engine "
+            f"hostname nbphost{host} && exec {sys.executable} -m nbpar.pool.engine "
             f"--file={cfile} --IPEngine.id={i} --log-level=40"
         )
         with open(os.path.join(log_dir, f"engine{i}.log"), "ab") as log:
             self.procs.append(
                 subprocess.Popen(
-                    ["ip", "netns", "exec", self.names[i], "unshare", "--uts", "sh", "-c", engine],
+                    [
+                        "ip",
+                        "netns",
+                        "exec",
+                        self.names[host],
+                        "unshare",
+                        "--uts",
+                        "sh",
+                        "-c",
+                        engine,
+                    ],
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
@@ -160,11 +171,11 @@ def _children_except(h) -> set[int]:
     return children() - ours
 
 
-def _connect(h, **kwargs):
+def _connect(h, n=2, **kwargs):
     return nbpar.Pool.connect(
         profile_dir=h.cluster.profile_dir,
         cluster_id=h.cluster.cluster_id,
-        n=2,
+        n=n,
         env={"GLOO_SOCKET_IFNAME": IFNAME},
         **kwargs,
     )
@@ -208,3 +219,42 @@ def test_unreachable_rendezvous_names_the_address_and_leaves_nothing(hosts):
     extra = _children_except(hosts) - before
     assert not extra, [psutil.Process(p).cmdline() for p in extra]  # the pool started nothing
     assert set(pool_mod._live) == live  # ... and did not become the current pool
+
+
+def test_ranks_group_by_host_when_registration_interleaves_hosts(hosts):
+    # engine ids 0..3 on hosts 0, 1, 0, 1 (what Slurm or SSH registration looks like)
+    for i in range(4):
+        hosts.start_engine(i, hosts.log_dir, host=i % 2)
+        hosts.wait_for_engines(i + 1)  # registration order = engine id order
+    pool = _connect(hosts, n=4, start_timeout=90, pg_timeout=60)
+    try:
+        assert [e["host"] for e in pool.engines] == ["nbphost0"] * 2 + ["nbphost1"] * 2
+        assert [e["local_rank"] for e in pool.engines] == [0, 1, 0, 1]
+        assert [pool.engine_id(r) for r in range(4)] == [0, 2, 1, 3]
+        got = pool.run(lambda: __import__("os").environ["LOCAL_RANK"])
+        assert got == ["0", "1", "0", "1"]
+        res = pool.execute(
+            "import torch, torch.distributed as dist\n"
+            "t = torch.ones(1) * dist.get_rank(); dist.all_reduce(t); print(t.item())"
+        )
+        assert res.text() == "\n".join(f"[rank {r}] 6.0" for r in range(4))
+    finally:
+        pool.shutdown()
+
+
+def test_controller_on_all_interfaces_rendezvous_on_engine_0s_routable_address(hosts):
+    # the documented Slurm recipe: ip="0.0.0.0"; the client sees the controller on loopback
+    hosts.cluster.stop_cluster_sync()
+    hosts.start_controller(ip="0.0.0.0")
+    for i in range(2):
+        hosts.start_engine(i, hosts.log_dir)
+    pool = _connect(hosts, start_timeout=30, pg_timeout=30)
+    try:
+        assert pool.addr == Hosts.addr(0)  # not engine 0's loopback
+        res = pool.execute(
+            "import torch, torch.distributed as dist\n"
+            "t = torch.ones(1) * (dist.get_rank() + 1); dist.all_reduce(t); print(t.item())"
+        )
+        assert res.text() == "[rank 0] 3.0\n[rank 1] 3.0"
+    finally:
+        pool.shutdown()

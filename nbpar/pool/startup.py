@@ -155,7 +155,8 @@ def rendezvous(
     reports it, with its ``engine_id``, store address, port)."""
     from nbpar.pool import worker
 
-    who = dict(zip(ids, client[ids].apply_sync(worker.whoami)))
+    location = client._config.get("location") if hasattr(client, "_config") else None
+    who = dict(zip(ids, client[ids].apply_sync(worker.whoami, location)))
     ids = rank_order(ids, {eid: w["host"] for eid, w in who.items()})
     peer = store_peer(controller_host(client, ip), [who[e] for e in ids], socket.gethostname())
     addr, port = client[ids[0]].apply_sync(worker.open_store, peer, port or 0, pg_timeout)

@@ -36,22 +36,24 @@ def routable_address(peer_host: str) -> str:
         return socket.gethostbyname(socket.gethostname())
 
 
-def whoami() -> dict:
+def whoami(toward: str | None = None) -> dict:
     """This engine's hostname and an address other hosts may reach it at (None: only
-    loopback found): its hostname's address, else the interface of its default route."""
+    loopback found): the interface that reaches ``toward`` (the controller's advertised
+    location), else its hostname's address, else the interface of its default route."""
     host = socket.gethostname()
-    try:
-        addr = socket.gethostbyname(host)
-    except OSError:
-        addr = None
-    if addr is None or addr.startswith("127."):
+    for probe in (toward, None, "10.255.255.255"):
         try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.connect(("10.255.255.255", 9))  # UDP connect sends nothing
-                addr = s.getsockname()[0]
+            if probe is None:
+                addr = socket.gethostbyname(host)
+            else:
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                    s.connect((probe, 9))  # UDP connect sends nothing
+                    addr = s.getsockname()[0]
         except OSError:
-            addr = None
-    return {"host": host, "addr": None if addr is None or addr.startswith("127.") else addr}
+            continue
+        if not addr.startswith("127.") and addr != "0.0.0.0":
+            return {"host": host, "addr": addr}
+    return {"host": host, "addr": None}
 
 
 def leave() -> None:
