@@ -28,7 +28,7 @@ def test_a_refused_config_shows_its_sentence_first(shell, capsys):
     lines = shown(
         shell,
         capsys,
-        "class NoEngines:\n    n = 2\n    backend = \"gloo\"\n"
+        'class NoEngines:\n    n = 2\n    backend = "gloo"\n'
         "from nbpar.config import TrainConfig\nfrom nbpar.pool.run import start_run\n"
         "start_run(NoEngines(), TrainConfig(**cells_config))",
     )
