@@ -269,4 +269,5 @@ def start_run(pool, cfg=None, **overrides) -> Run:
         cfg = TrainConfig.from_dict({**cfg.to_dict(), **overrides})
     from nbpar.strategies import engines_for
 
-    return launch(pool, checked_config(cfg, engines_for(cfg.strategy, pool.n), pool.backend))
+    backend = getattr(pool, "backend", None)  # None: this host's default (a stand-in pool)
+    return launch(pool, checked_config(cfg, engines_for(cfg.strategy, pool.n), backend))
