@@ -89,7 +89,8 @@ bench: setup
 # from them (tests/test_bench_results.py fails when they disagree). One benchmark:
 # make bench-results BENCHMARKS=ddp_vs_torchrun
 BENCHMARKS ?= pool_startup ddp_vs_torchrun dashboard_overhead meter_cost pipeline_bubble \
-	pipeline_memory memory_vs_estimate simulate_scale reliability scaling chaos notebook_times
+	pipeline_memory memory_vs_estimate simulate_scale reliability scaling chaos notebook_times \
+	jupyter_latency
 .PHONY: bench-results bench-report
 bench-results: setup
 	@mkdir -p .tmp

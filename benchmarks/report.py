@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 #: Which benchmarks each README section shows, in order.
 SECTIONS = {
-    "startup": ["pool_startup"],
+    "startup": ["pool_startup", "jupyter_latency"],
     "training": [
         "ddp_vs_torchrun",
         "dashboard_overhead",
@@ -42,7 +42,11 @@ SECTIONS = {
     "notebooks": ["notebook_times"],
 }
 #: Benchmarks with no results file yet, and why.
-NOT_MEASURED = {"gpu_check": "tokens/s and MFU of a GPT in bf16 on one GPU: needs a GPU"}
+NOT_MEASURED = {
+    "gpu_check": "tokens/s and MFU of a GPT in bf16 on one GPU: needs a GPU",
+    "jupyter_latency": "cell latency from a Jupyter client vs jupyter-distributed: "
+    "waits for a run on an idle machine",
+}
 MARKER = re.compile(r"(<!-- bench:begin (\w+) -->\n)(.*?)(<!-- bench:end \2 -->)", re.S)
 DIFFERS = "differs from the results files"
 FIG = re.compile(r"(<!-- fig (\w+): (.+?) -->)(.*?)(<!-- /fig -->)", re.S)
