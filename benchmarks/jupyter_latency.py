@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import os
 import queue
+import shutil
 import socket
 import sys
 import tempfile
@@ -192,6 +193,7 @@ class JDKernel(Kernel):
             super().close()
         finally:
             asyncio.run(OrphanProcessReaper(self.registry).reap())
+            shutil.rmtree(self.registry, ignore_errors=True)
 
 
 def time_start(side: str) -> float:
