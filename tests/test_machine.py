@@ -55,11 +55,11 @@ def test_step_spread_needs_enough_steps_and_reads_the_quartiles():
 
 def test_usage_reads_this_process_and_the_host():
     start = machine.snapshot()
-    end = time.monotonic() + 0.2
-    while time.monotonic() < end:  # 0.2 s of this process's own CPU
+    end = time.process_time() + 0.2
+    while time.process_time() < end:  # 0.2 s of this process's own CPU, however busy
         pass
     u = machine.usage(start, threads=1)
-    assert 0.15 < u["wall_s"] < 5
-    assert 0.1 < u["cpu_s"] <= u["wall_s"] + 0.05
+    assert 0.15 < u["wall_s"] < 30
+    assert 0.15 < u["cpu_s"] <= u["wall_s"] + 0.05
     assert u["host_busy_s"] >= u["cpu_s"] - 0.05  # the host was busy at least with us
     assert u["cores"] >= 1 and u["threads"] == 1 and u["host"]

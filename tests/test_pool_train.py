@@ -197,7 +197,10 @@ def test_a_busy_machine_is_said_beside_the_timings(pool):
     for res in (alone, busy):
         for r in res["ranks"]:
             lo, hi = r["comm_blocked_fraction_spread"]
-            assert 0 <= lo <= r["comm_blocked_fraction"] <= hi <= 1, r
+            # one step can read a little below zero on a machine this busy: the kernel's
+            # two clocks (CPU time, run-queue wait) disagree by a scheduler tick or so
+            assert -0.05 <= lo <= r["comm_blocked_fraction"] <= hi <= 1, r
+            assert 0 <= r["comm_blocked_fraction"], r
             assert r["comm_blocked_steps"] >= 20, r  # 30 steps less set-up and metered
     gap = abs(alone["comm_blocked_fraction"] - busy["comm_blocked_fraction"])
     assert gap <= 0.10 or not busy["timing_reliable"]

@@ -19,6 +19,9 @@ apart); it is not scaled from another step. What else can block the thread: anot
 Python thread holding the GIL (a live view's publisher, a comm hook's callback), a page
 fault, or, with several intra-op threads, the calling thread waiting for the others at
 the end of a parallel region; with one thread per engine the last does not happen.
+The two clocks are kept apart by the kernel and can disagree by about a scheduler tick,
+so on a loaded machine a short step can read a few milliseconds below zero; that is
+kept as measured (not clipped), and the median over a run's steps is what is reported.
 
 Where the kernel keeps no schedstat, the clock falls back on the thread's CPU time
 (`time.thread_time`), and waiting for a core then counts as blocked (``method``
