@@ -80,6 +80,15 @@ def where(data: dict) -> str:
     )
 
 
+def verdict(fig: dict, bound: float) -> str:
+    """Met or not on the median; when the repeats fall on both sides of the bound the
+    median alone decides nothing, and the row says so."""
+    if fig["n"] > 1 and fig["min"] < bound < fig["max"]:
+        side = "met" if fig["meets"] else "not met"
+        return f"**undecided** ({side} on the median; the spread crosses it)"
+    return "met" if fig["meets"] else "**not met**"
+
+
 def rows(name: str, data: dict | None) -> list[str]:
     if data is None:
         return [f"| `{name}.py` | {why_missing(name)} | not measured yet | | | |"]
@@ -89,9 +98,7 @@ def rows(name: str, data: dict | None) -> list[str]:
         target = ""
         if fig["target"]:
             op, bound = fig["target"].split()
-            target = f"{op} {number(float(bound), u)}: " + (
-                "met" if fig["meets"] else "**not met**"
-            )
+            target = f"{op} {number(float(bound), u)}: " + verdict(fig, float(bound))
         label = fig["label"].replace("|", "\\|")  # a bar would end the table cell
         out.append(
             f"| `{name}.py` | {label} | {number(fig['median'], u)} | "
@@ -111,7 +118,9 @@ def render(section: str, results: dict[str, dict]) -> str:
         "highest value and how many; ratios are measured side by side in that run; the",
         "load is the machine's 1-minute load average at the start and end of the run (a",
         "benchmark starts only once it is under half the cores), and the commit is the code",
-        "measured (tests/test_bench_results.py fails when that code changed since).",
+        "measured (tests/test_bench_results.py fails when that code changed since). A",
+        "target whose repeats fall on both sides of it reads **undecided**: on a shared",
+        "machine that median is noise, not a result.",
         "",
         HEADER,
     ]

@@ -156,6 +156,17 @@ def test_targets_are_judged_on_the_median():
     assert (fig["median"], fig["min"], fig["max"], fig["n"]) == (2.5, 1.0, 10.0, 4)
 
 
+def test_a_target_inside_the_spread_is_undecided():
+    fig = {"n": 5, "min": 0.9, "max": 1.1, "median": 1.0, "meets": True}
+    assert report.verdict(fig, 1.02).startswith("**undecided** (met on the median")
+    assert report.verdict({**fig, "median": 1.05, "meets": False}, 1.02).startswith(
+        "**undecided** (not met"
+    )
+    assert report.verdict({**fig, "max": 1.01}, 1.02) == "met"
+    assert report.verdict({**fig, "min": 1.03, "meets": False}, 1.02) == "**not met**"
+    assert report.verdict({**fig, "n": 1}, 1.02) == "met"  # one value has no spread
+
+
 def test_generated_rows_have_six_cells():
     text = (ROOT / "README.md").read_text()
     rows = [
