@@ -130,8 +130,12 @@ def test_pipeline_run_reports_its_bubble(pool):
     res = run.result()
     assert len(res["losses"]) == 8
     assert 1 / 5 - 0.02 <= res["bubble_fraction"] < 1  # GPipe p=2, m=4: at least 1/5 idle
-    # a typical normal step (never the metered one nor a set-up step), stalls apart
-    assert res["bubble_fraction"] <= res["bubble_fraction_with_stalls"] + 1e-12 < 1
+    # the same step with its stalls as they ran: a stall is a busy box, so leaving it
+    # out moves the idle share either way; with no stall the two are one figure
+    assert 0 < res["bubble_fraction_with_stalls"] < 1
+    if not any(out["bubble_step"]["stalls"] for out in run.per_rank().values()):
+        assert res["bubble_fraction"] == pytest.approx(res["bubble_fraction_with_stalls"])
+    # a typical normal step (never the metered one nor a set-up step)
     for out in run.per_rank().values():
         about = out["bubble_step"]
         assert about["typical"] and about["normal_steps"] >= 5, about

@@ -81,6 +81,25 @@ def test_a_130_ms_forward_among_2_to_4_ms_boxes_is_a_stall_left_out_of_the_bubbl
     assert bubble_fraction(_gpipe(LENGTHS, STALL_MS), 2) == pytest.approx(with_stall)
 
 
+def test_leaving_a_stall_out_can_raise_the_bubble_of_a_mostly_idle_step():
+    """A stall is a busy box: while stage 0 stalls 9 s, stage 1 idles, so that stretch is
+    half busy, more than this step as a whole (13 of 44 device-seconds). Cut it and the
+    idle share rises, 1 - 13/44 = 0.705 to 1 - 4/26 = 0.846: the two figures are
+    different questions, neither a bound of the other."""
+
+    def box(stage, start, end, **stall):
+        return {"stage": stage, "rank": stage, "kind": "F", "start": start, "end": end, **stall}
+
+    events = [
+        box(0, 0.0, 10.0, stall=True, typical_s=1.0),
+        box(0, 10.0, 11.0, stall=False),
+        box(1, 20.0, 21.0, stall=False),
+        box(1, 21.0, 22.0, stall=False),
+    ]
+    assert bubble_fraction(events, 2, with_stalls=True) == pytest.approx(1 - 13 / 44)
+    assert bubble_fraction(events, 2) == pytest.approx(1 - 4 / 26)
+
+
 def test_stalls_are_judged_per_stage_and_kind():
     # the last stage's boxes are all 4x stage 0's: slower, not stalled
     slow_last = {"F": [[2, 2, 2, 2], [8, 8, 8, 8]], "B": [[3, 3, 3, 3], [12, 12, 12, 12]]}
