@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pathlib
 import tempfile
+import time
 
 _root = pathlib.Path(__file__).resolve().parent.parent
 _scratch = pathlib.Path(os.environ.get("NBPAR_TEST_SCRATCH", _root / ".tmp"))
@@ -86,3 +87,21 @@ def half_precision(monkeypatch):
         )
 
     return fake
+
+
+@pytest.fixture
+def pub(ip, monkeypatch):
+    """Every display publication of the test shell, each with the time it was made."""
+    from IPython.core.displaypub import CapturingDisplayPublisher
+
+    class TimedPublisher(CapturingDisplayPublisher):
+        def publish(self, data, metadata=None, source=None, *, transient=None, update=False):
+            super().publish(data, metadata, source, transient=transient, update=update)
+            self.outputs[-1]["time"] = time.monotonic()
+
+    rec = TimedPublisher(shell=ip)
+    monkeypatch.setattr(ip, "display_pub", rec)
+    # ipyparallel forwards the comms of widgets made on engines only when a kernel is
+    # present, and reads `shell.kernel` to know: say "none" as a terminal shell would
+    monkeypatch.setattr(ip, "kernel", None, raising=False)
+    return rec.outputs

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import pytest
-from IPython.core.displaypub import CapturingDisplayPublisher
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -14,24 +13,6 @@ SLOW_CELL = (
     "for i in range(3):\n    print('tick', i, flush=True)\n    time.sleep(0.8)\n"
     "import sys; print('warn', r, file=sys.stderr)\n"
 )
-
-
-class TimedPublisher(CapturingDisplayPublisher):
-    """Every display publication with the time it was made."""
-
-    def publish(self, data, metadata=None, source=None, *, transient=None, update=False):
-        super().publish(data, metadata, source, transient=transient, update=update)
-        self.outputs[-1]["time"] = time.monotonic()
-
-
-@pytest.fixture
-def pub(ip, monkeypatch):
-    rec = TimedPublisher(shell=ip)
-    monkeypatch.setattr(ip, "display_pub", rec)
-    # ipyparallel forwards the comms of widgets made on engines only when a kernel is
-    # present, and reads `shell.kernel` to know: say "none" as a terminal shell would
-    monkeypatch.setattr(ip, "kernel", None, raising=False)
-    return rec.outputs
 
 
 def test_lines_arrive_while_the_cell_runs_then_grouped_output_replaces_them(ip, pool, pub, capsys):

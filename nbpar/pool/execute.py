@@ -12,6 +12,7 @@ import sys
 import time
 
 from nbpar.errors import DistTimeout, EngineDied, Interrupted, PoolError, RankError
+from nbpar.pool.hangwatch import HangWatch
 from nbpar.pool.stream import LiveOutput
 from nbpar.pool.stream import metadata_of as _metadata
 
@@ -280,14 +281,19 @@ def run_cell(
     plot = LogPlot(ars, show=True)  # draws nbpar.log(...) records live, if any
     live = LiveOutput(ars, stream, live_ranks)
     live.start()
+    watch = HangWatch(pool, ars, _doctor_ready)  # who waits where, once the ranks come apart
 
     def poll():
         plot.poll()
         live.poll()
+        watch.show(live)
 
     try:
         wait_all(pool, ars, timeout, on_poll=poll, whole=ar)
-    except RankError as err:
+    except BaseException as err:
+        live.set_footer("")  # the error (or the interrupt's word) says it now
+        if not isinstance(err, RankError):
+            raise
         pool.note_failure(err.ranks)
         done = [r for r in ranks if ars[r].ready() and ars[r].wait_for_output(OUTPUT_WAIT_S)]
         plot.finish()

@@ -44,6 +44,7 @@ class LiveOutput:
         self.show = in_kernel() if show is None else show
         self.seen = {(r, name): 0 for r in self.ars for name in STREAMS}
         self.lines: deque[str] = deque(maxlen=LIVE_LINES)
+        self.footer = ""  # shown under the lines: the hang watch's word (`hangwatch`)
         self.handle = None
 
     def new_lines(self) -> list[str]:
@@ -73,13 +74,25 @@ class LiveOutput:
         if not new:
             return
         self.lines.extend(new)
+        self._update()
+
+    def set_footer(self, text: str) -> None:
+        """Show ``text`` under the lines ('' takes it away), updated in place."""
+        if self.show and text != self.footer:
+            self.footer = text
+            self._update()
+
+    def _update(self) -> None:
         self.start()
-        self.handle.update({"text/plain": "\n".join(self.lines)}, raw=True)
+        text = "\n".join(self.lines)
+        if self.footer:
+            text = f"{text}\n\n{self.footer}" if text else self.footer
+        self.handle.update({"text/plain": text}, raw=True)
 
     def finish(self) -> None:
         """Empty the live area: the grouped output that follows replaces it. An area
         that never showed a line is empty already (and an update costs a flush of the
         kernel's output streams)."""
-        if self.handle is not None and self.lines:
+        if self.handle is not None and (self.lines or self.footer):
             self.handle.update({"text/plain": ""}, raw=True)
         self.handle = None
