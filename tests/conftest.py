@@ -104,4 +104,7 @@ def pub(ip, monkeypatch):
     # ipyparallel forwards the comms of widgets made on engines only when a kernel is
     # present, and reads `shell.kernel` to know: say "none" as a terminal shell would
     monkeypatch.setattr(ip, "kernel", None, raising=False)
+    # the test shell is a TerminalInteractiveShell; here it stands for a notebook's page,
+    # so a cell's live lines go to the display area, not printed as in a terminal
+    monkeypatch.setattr("nbpar.pool.stream.in_terminal", lambda: False)
     return rec.outputs

@@ -74,16 +74,19 @@ def test_no_live_area_when_streaming_is_off(ip, pool, pub, capsys):
     assert capsys.readouterr().out.startswith("[rank 0] tick 0\n[rank 0] tick 1\n")
 
 
-def test_streaming_defaults_to_on_only_inside_a_kernel(ip, monkeypatch):
+def test_streaming_defaults_to_an_area_in_a_kernel_and_prints_in_a_terminal(ip, monkeypatch):
     from nbpar.pool.stream import LiveOutput
 
-    assert LiveOutput({}).show is False  # a terminal shell has no kernel
+    live = LiveOutput({})  # the test shell is a terminal shell: no kernel, lines printed
+    assert (live.show, live.prints) == (False, True)
+    assert LiveOutput({}, show=False).prints is False  # --no-stream
 
     class Kernel:
         pass
 
     monkeypatch.setattr(ip, "kernel", Kernel(), raising=False)
-    assert LiveOutput({}).show is True
+    live = LiveOutput({})
+    assert (live.show, live.prints) == (True, False)
 
 
 @pytest.mark.spawn  # a real Jupyter kernel

@@ -57,8 +57,11 @@ def _doctor_ready(deadline: float) -> bool:
 class DistResult:
     """What each rank printed, displayed and returned, in rank order."""
 
-    def __init__(self, ranks, metadata):
+    def __init__(self, ranks, metadata, printed=None):
+        """``printed``: (rank, stream) -> characters the terminal already showed live
+        (`LiveOutput.printed`); `render` leaves them out."""
         self.ranks = list(ranks)
+        self.printed = printed or {}
         self.stdout = {r: md.get("stdout", "") for r, md in zip(ranks, metadata)}
         self.stderr = {r: md.get("stderr", "") for r, md in zip(ranks, metadata)}
         self.outputs = {r: md.get("outputs", []) for r, md in zip(ranks, metadata)}
@@ -80,17 +83,19 @@ class DistResult:
 
         ranks = self.ranks if ranks is None else [r for r in self.ranks if r in ranks]
         for r in ranks:
-            for line in self.stdout[r].splitlines():
+            stdout = self.stdout[r][self.printed.get((r, "stdout"), 0) :]
+            stderr = self.stderr[r][self.printed.get((r, "stderr"), 0) :]
+            for line in stdout.splitlines():
                 print(f"[rank {r}] {line}")
-            for line in self.stderr[r].splitlines():
+            for line in stderr.splitlines():
                 print(f"[rank {r}] {line}", file=sys.stderr)
             if "text/plain" in self.results[r]:
                 print(f"[rank {r}] Out: {self.results[r]['text/plain']}")
             # each rank's lines in messages of their own; but a flush is a round trip to
             # a kernel's output thread: none for a stream this rank wrote nothing to
-            if self.stdout[r] or "text/plain" in self.results[r] or self.outputs[r]:
+            if stdout or "text/plain" in self.results[r] or self.outputs[r]:
                 sys.stdout.flush()
-            if self.stderr[r] or self.outputs[r]:
+            if stderr or self.outputs[r]:
                 sys.stderr.flush()
             for out in self.outputs[r]:
                 publish_display_data(out.get("data", {}), out.get("metadata", {}))
@@ -261,8 +266,9 @@ def run_cell(
     """Execute ``code`` on ``ranks`` (each in its engine's namespace).
 
     ``stream``: show each rank's lines while the cell runs (default: in a Jupyter
-    kernel); the grouped output replaces them at the end. ``live_ranks``: the ranks
-    whose lines are streamed (default: all).
+    kernel, where the grouped output replaces them at the end, and in the ``ipython``
+    terminal, where they are printed as they come and the rest follows at the end).
+    ``live_ranks``: the ranks whose lines are streamed (default: all).
     """
     busy = pool.busy_ranks(ranks)
     if busy:
@@ -299,11 +305,11 @@ def run_cell(
         plot.finish()
         if len(done) == len(ranks):  # else the live area still shows the running ranks
             live.finish()
-        DistResult(done, [_metadata(ars[r]) for r in done]).render()
+        DistResult(done, [_metadata(ars[r]) for r in done], live.printed).render()
         raise
     ar.wait_for_output(OUTPUT_WAIT_S)  # the reply can arrive before the last output
     live.finish()
     metadata = [_metadata(ars[r]) for r in ranks]
     if any(md.get("data") for md in metadata):  # something was logged with nbpar.log
         plot.finish()
-    return DistResult(ranks, metadata)
+    return DistResult(ranks, metadata, live.printed)

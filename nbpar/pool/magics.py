@@ -39,7 +39,7 @@ def _cell_parser() -> _Parser:
         "--stream",
         action="store_true",
         default=None,
-        help="show each rank's lines while the cell runs (default in Jupyter)",
+        help="show each rank's lines while the cell runs (default in Jupyter and ipython)",
     )
     p.add_argument(
         "--no-stream",

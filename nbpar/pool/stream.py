@@ -35,30 +35,46 @@ def in_kernel() -> bool:
     return getattr(get_ipython(), "kernel", None) is not None
 
 
+def in_terminal() -> bool:
+    """True in the ``ipython`` terminal, where lines are printed as they come."""
+    from IPython import get_ipython
+
+    return type(get_ipython()).__name__ == "TerminalInteractiveShell"
+
+
 class LiveOutput:
-    """New complete lines of every rank, shown in one display area while a cell runs."""
+    """New complete lines of every rank, shown while a cell runs: in one display area
+    in Jupyter; in the ``ipython`` terminal, printed as they come (as ``%px --stream``
+    does), and then left out of the grouped output (`printed`)."""
 
     def __init__(self, ars: dict, show: bool | None = None, ranks=None):
         """``ranks``: the ranks whose lines are shown (default: all of ``ars``)."""
         self.ars = ars if ranks is None else {r: ar for r, ar in ars.items() if r in ranks}
-        self.show = in_kernel() if show is None else show
+        self.prints = show is not False and in_terminal() and not in_kernel()
+        self.show = not self.prints and (in_kernel() if show is None else show)
         self.seen = {(r, name): 0 for r in self.ars for name in STREAMS}
         self.lines: deque[str] = deque(maxlen=LIVE_LINES)
         self.footer = ""  # shown under the lines: the hang watch's word (`hangwatch`)
         self.handle = None
 
-    def new_lines(self) -> list[str]:
-        """Lines completed since the last call, ``[rank N]``-prefixed, rank by rank."""
+    def new_lines(self, name=None) -> list[str]:
+        """Lines completed since the last call, ``[rank N]``-prefixed, rank by rank
+        (``name``: of that stream only)."""
         out = []
         for r, ar in self.ars.items():
             md = metadata_of(ar)
-            for name in STREAMS:
-                text = md.get(name) or ""
-                start, end = self.seen[r, name], text.rfind("\n") + 1
+            for stream in STREAMS if name is None else (name,):
+                text = md.get(stream) or ""
+                start, end = self.seen[r, stream], text.rfind("\n") + 1
                 if end > start:
                     out += [f"[rank {r}] {line}" for line in text[start:end].splitlines()]
-                    self.seen[r, name] = end
+                    self.seen[r, stream] = end
         return out
+
+    @property
+    def printed(self) -> dict:
+        """(rank, stream) -> characters already printed (terminal only; else none)."""
+        return dict(self.seen) if self.prints else {}
 
     def start(self) -> None:
         """Open the (empty) live area; every later change is an in-place update."""
@@ -68,6 +84,15 @@ class LiveOutput:
             self.handle = display({"text/plain": ""}, raw=True, display_id=True)
 
     def poll(self) -> None:
+        if self.prints:
+            import sys
+
+            for name in STREAMS:
+                if lines := self.new_lines(name):
+                    out = getattr(sys, name)
+                    out.write("".join(f"{line}\n" for line in lines))
+                    out.flush()
+            return
         if not self.show:
             return
         new = self.new_lines()
