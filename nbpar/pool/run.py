@@ -18,6 +18,9 @@ import uuid
 from nbpar.measure.records import result_rank
 from nbpar.pool.execute import OUTPUT_WAIT_S, wait_all
 
+#: Key prefix of a rank's set-up stage in its published data (not a step record).
+PHASE = "phase"
+
 
 def train_on_engine(cfg: dict, run_id: str, models: dict | None = None) -> dict:
     """Engine side: run_training with publication and a stop flag; ``models`` are the
@@ -36,10 +39,13 @@ def train_on_engine(cfg: dict, run_id: str, models: dict | None = None) -> dict:
     def publish(record: dict) -> None:
         publish_data({f"{run_id}/{next(seq):08d}": record})
 
+    def phase(text: str) -> None:  # one key, overwritten: `Run.phase` reads the latest
+        publish_data({f"{PHASE}/{run_id}": {"text": text, "time": time.time()}})
+
     def should_stop() -> bool:  # run_training makes all ranks agree on it
         return bool(store is not None and store.check([key]))
 
-    return run_training(cfg, publish=publish, should_stop=should_stop)
+    return run_training(cfg, publish=publish, should_stop=should_stop, phase=phase)
 
 
 class RunResult(dict):
@@ -98,6 +104,22 @@ class Run:
             data = ar.data if isinstance(ar.data, dict) else {}
             records.extend(v for k, v in sorted(data.items()) if k.startswith(self.run_id))
         return sorted(records, key=lambda rec: (rec["step"], rec["rank"]))
+
+    @property
+    def phase(self) -> str | None:
+        """Before the first step ends: the set-up stage of the rank furthest behind
+        (``"importing DeepSpeed and building its engine"``), with its seconds so far;
+        None once a step was published."""
+        if self.history:
+            return None
+        said = []
+        for ar in self._ars.values():
+            data = ar.data if isinstance(ar.data, dict) else {}
+            said.append(data.get(f"{PHASE}/{self.run_id}"))
+        if not all(said):  # a rank that has not said is still in train_on_engine's imports
+            return f"the ranks are importing the training code, {time.time() - self.started:.0f} s"
+        last = min(said, key=lambda p: p["time"])  # the stage the slowest rank is in
+        return f"{last['text']}, {time.time() - last['time']:.0f} s"
 
     # -- control -------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> Run:

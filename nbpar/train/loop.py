@@ -112,28 +112,44 @@ def is_metered(step: int, start: int, steps: int) -> bool:
     return step >= first and (step - first) % METER_EVERY == 0
 
 
+def wrap_phase(cfg: TrainConfig) -> str:
+    """What building ``cfg``'s runner does, in words a progress line can show."""
+    if cfg.backend == "deepspeed":
+        return "importing DeepSpeed and building its engine"
+    return f"wrapping the model for {cfg.strategy}"
+
+
 def run_training(
-    cfg: TrainConfig | dict, *, publish=None, should_stop=None, on_finish=None
+    cfg: TrainConfig | dict, *, publish=None, should_stop=None, on_finish=None, phase=None
 ) -> RankResult:
     """Train ``cfg`` on this rank and return its summary (see module docstring).
 
     ``publish(record)`` is called once per step; ``should_stop()`` is checked
     before each step (all ranks agree, so nobody is left in a collective);
     ``on_finish(runner)`` sees the trained runner (model, optimizer) before it
-    is closed, e.g. to keep or save the weights.
+    is closed, e.g. to keep or save the weights; ``phase(text)`` hears each stage of
+    the set-up before the first step ends (what a run's "starting..." line shows).
     """
+    phase = phase or (lambda text: None)
     if isinstance(cfg, dict):
         cfg = TrainConfig.from_dict(cfg)
+    phase("building the device mesh")
     ctx, cfg = RankContext.build(cfg)
     runner = None
     try:
+        phase(f"building the model {cfg.model}")
         model = build_model(cfg).to(ctx.device)
+        phase(wrap_phase(cfg))
         runner = build_runner(model, cfg, ctx.mesh)
         runner.set_update_rule(cfg, ctx.group("pp"))
+        phase("loading the data")
         loader = build_loader(cfg, ctx.dims.coords(ctx.rank)["dp"], ctx.dims.dp, epoch=0)
         batches = _Batches(loader, ctx.device)
+        if cfg.resume_from is not None:
+            phase(f"resuming from {cfg.resume_from}")
         start = 0 if cfg.resume_from is None else checkpoint.resume(cfg, runner, batches, ctx)
         runner.steps_taken = start
+        phase("the first step (its one-off set-up included)")
         result = _loop(cfg, runner, batches, ctx, publish, should_stop, start)
         if on_finish is not None:
             on_finish(runner)

@@ -81,7 +81,7 @@ class Dashboard:
         self.chart, self.feed = None, None  # the browser's panels, made with the widget
         self._reuse = chart
         self._figure = self._panels = None
-        self._seen = None  # (len(history), done) last read
+        self._seen = None  # (len(history), done, set-up stage) last read
         self._widget = self._handle = self._thread = None
         self._rendered_at = self._render_s = self._update_s = 0.0
         self._stop = threading.Event()
@@ -113,7 +113,9 @@ class Dashboard:
         elif done:
             text = f"done: {of} steps{pace}"
         elif n == 0:
-            text = f"starting… 0/{total} steps" if total else "starting…"
+            stage = self._phase()  # "starting… building the model tiny_gpt, 1 s · 0/20 steps"
+            text = "starting…" + (f" {stage}" if stage else "")
+            text += (" ·" if stage and total else "") + (f" 0/{total} steps" if total else "")
         else:
             pct = f" ({n / total:.0%})" if total else ""
             text = f"step {of}{pct}{pace}" + (
@@ -131,6 +133,10 @@ class Dashboard:
             "text": text,
         }
 
+    def _phase(self) -> str | None:
+        """The run's set-up stage before its first step (`Run.phase`), if it has one."""
+        return getattr(self.run, "phase", None)
+
     def _done(self) -> bool:
         done = getattr(self.run, "done", None)
         return bool(done()) if callable(done) else True
@@ -140,8 +146,9 @@ class Dashboard:
         True if there were new records (or the run just ended)."""
         with self._lock:
             history, done = as_history(self.run), self._done()
-            changed = self._seen != (len(history), done)
-            self._seen = (len(history), done)
+            seen = (len(history), done, None if history else self._phase())
+            changed = self._seen != seen
+            self._seen = seen
             if not changed and not force:
                 return False
             groups = by_rank(history)
