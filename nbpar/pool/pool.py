@@ -14,6 +14,7 @@ from nbpar import device
 from nbpar.errors import PoolError, UsageError
 from nbpar.pool import startup
 from nbpar.pool.launchers import check_launcher
+from nbpar.pool.progress import StartProgress
 
 # The process-wide registry of pools (the kernel's): every pool not shut down, and the
 # one `%%dist` runs on. Module globals, so a re-run cell finds and replaces the pool.
@@ -92,14 +93,18 @@ class Pool:
         self.closed = False
         self.engines: list[dict] = []
         self._init_requests()
+        progress = StartProgress()  # what it is doing, in the notebook, for these seconds
         try:
             self.cluster, self.client, self._engine_ids, self._sets = startup.start_cluster(
-                n, launcher, ip, start_timeout, env, **cluster_kwargs
+                n, launcher, ip, start_timeout, env, say=progress.say, **cluster_kwargs
             )
+            progress.say(f"{n}/{n} engines registered; joining the process group ({backend})")
             self._rendezvous()
         except BaseException:
             self.shutdown()
             raise
+        finally:
+            progress.done()
         if self.auto_restart:  # it restarts by itself: keep warm engines ready for it
             self.prepare_restart()
         self.activate()

@@ -42,9 +42,13 @@ def check_port(port, ip: str) -> None:
             ) from None
 
 
-def start_cluster(n: int, launcher: str, ip: str, start_timeout: float, env: dict, **kwargs):
+def start_cluster(
+    n: int, launcher: str, ip: str, start_timeout: float, env: dict, say=None, **kwargs
+):
     """Start a controller and ``n`` engines; (cluster, client, engine ids, EngineSets)
-    once all ``n`` registered. ``kwargs`` go to ``ipyparallel.Cluster``."""
+    once all ``n`` registered. ``say(text)`` hears each stage and each engine that
+    registers (`progress.StartProgress`); ``kwargs`` go to ``ipyparallel.Cluster``."""
+    say = say or (lambda text: None)
     import ipyparallel as ipp
 
     from nbpar.pool import launchers
@@ -63,12 +67,18 @@ def start_cluster(n: int, launcher: str, ip: str, start_timeout: float, env: dic
     cluster, client = ipp.Cluster(**options), None
     try:
         launchers.configure(cluster, launcher, n, env)
+        say(f"starting a controller and {n} engine(s) ({launcher})")
         cluster.start_cluster_sync()
         if cluster.cluster_file and os.path.exists(cluster.cluster_file):
             os.chmod(cluster.cluster_file, 0o600)  # connection details: the owner's only
         client = cluster.connect_client_sync()
-        # no progress bar: notebook outputs must stay stable
-        client.wait_for_engines(n, timeout=start_timeout, interactive=False)
+        # ipyparallel's progress bar would be an output of its own: count here, one
+        # engine at a time (each wait still fails at once if an engine set stops)
+        deadline = time.monotonic() + start_timeout
+        while len(client.ids) < n:
+            say(f"{len(client.ids)}/{n} engines registered")
+            left = max(0.0, deadline - time.monotonic())
+            client.wait_for_engines(len(client.ids) + 1, timeout=left, interactive=False)
     except BaseException:
         stop(cluster, client)  # nothing left running when start-up fails
         raise
