@@ -178,6 +178,7 @@ def test_progress_bar_label_and_stop():
     dash = live(run)
     assert dash.text.startswith("step 3/20 (15%)") and "ETA" in dash.text
     assert dash.status == {"text": dash.text, "value": 3, "max": 20, "style": ""}
+    assert dash._stop_button.button_style == "warning"  # as the picker's Stop
     dash._stop_button.click()
     assert run.stops == 1 and dash._stop_button.disabled
     run.history, run.finished = history(8), True

@@ -245,6 +245,7 @@ def test_while_a_run_goes_run_is_disabled_and_stop_is_shown():
     assert picker.running and picker.button.disabled
     assert picker.button.description == "running..."
     assert picker.stop_button.layout.display != "none" and not picker.stop_button.disabled
+    assert picker.stop_button.button_style == "warning"
     picker._launch()  # a second click: nothing starts
     picker.button.click()
     assert len(pool.trained) == 1

@@ -57,6 +57,19 @@ UPDATE_BUDGET = 0.02
 MAX_WAIT_S = 1.0
 
 
+def stop_button(**layout):
+    """The one Stop button nbpar draws (the picker's and the dashboard's look alike)."""
+    import ipywidgets as w
+
+    return w.Button(
+        description="Stop",
+        icon="stop",
+        button_style="warning",
+        tooltip="stop every rank after its current step",
+        layout=w.Layout(**layout),
+    )
+
+
 class Dashboard:
     """Live view of one `Run`; ``update()`` reads the history and sends what is new."""
 
@@ -267,9 +280,7 @@ class Dashboard:
                 self.chart.reset(waiting_spec())
             else:
                 self.chart = LiveChart(waiting_spec())
-            self._stop_button = w.Button(
-                description="Stop", icon="stop", tooltip="stop every rank after its current step"
-            )
+            self._stop_button = stop_button()
             self._stop_button.on_click(self._stop_clicked)
             self._widget = w.VBox(([self._stop_button] if self.stop_button else []) + [self.chart])
             self._widget.add_class("nbpar-dashboard")

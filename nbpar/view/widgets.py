@@ -19,6 +19,7 @@ from nbpar import config as C
 from nbpar.checks import positive_int
 from nbpar.strategies import engines_for, settable_degrees
 from nbpar.view import picker_rules as R
+from nbpar.view.dashboard import stop_button
 from nbpar.view.picker_rules import model_options
 
 _STYLE = {"description_width": "90px"}
@@ -95,13 +96,7 @@ class StrategyPicker:
         self.batch_label = w.HTML()
         self.explanation = w.HTML()
         self.button = w.Button(description="Run", button_style="primary", icon="play")
-        self.stop_button = w.Button(
-            description="Stop",
-            icon="stop",
-            button_style="warning",
-            tooltip="stop every rank after its current step",
-            layout=w.Layout(display="none"),
-        )
+        self.stop_button = stop_button(display="none")
         self.runs_list = w.HTML()
         self.compare_button = w.Button(
             description="Compare these runs",
