@@ -38,3 +38,26 @@ def test_outside_a_kernel_it_stays_quiet(pub):
     pool = nbpar.Pool(2, replace=False)
     pool.shutdown()
     assert not [o for o in pub if o["transient"]]
+
+
+def test_engines_that_register_between_two_counts_are_never_waited_for_twice():
+    """An engine may register between reading the count and asking for one more: the
+    wait asks for the count it said plus one, never past n (it once asked for 3 of 2)."""
+    from nbpar.pool.startup import wait_registered
+
+    class Client:
+        def __init__(self):
+            self.registered, self.asked = 0, []
+
+        @property
+        def ids(self):
+            self.registered = min(2, self.registered + 1)  # one more at every read
+            return list(range(self.registered))
+
+        def wait_for_engines(self, k, timeout, interactive):
+            assert k <= 2, f"asked for {k} engines of 2"
+            self.asked.append(k)
+
+    said, client = [], Client()
+    wait_registered(client, 2, 10.0, said.append)
+    assert said == ["1/2 engines registered"] and client.asked == [2]

@@ -72,17 +72,22 @@ def start_cluster(
         if cluster.cluster_file and os.path.exists(cluster.cluster_file):
             os.chmod(cluster.cluster_file, 0o600)  # connection details: the owner's only
         client = cluster.connect_client_sync()
-        # ipyparallel's progress bar would be an output of its own: count here, one
-        # engine at a time (each wait still fails at once if an engine set stops)
-        deadline = time.monotonic() + start_timeout
-        while len(client.ids) < n:
-            say(f"{len(client.ids)}/{n} engines registered")
-            left = max(0.0, deadline - time.monotonic())
-            client.wait_for_engines(len(client.ids) + 1, timeout=left, interactive=False)
+        wait_registered(client, n, start_timeout, say)
     except BaseException:
         stop(cluster, client)  # nothing left running when start-up fails
         raise
     return cluster, client, sorted(client.ids)[:n], EngineSets(cluster, n, launcher)
+
+
+def wait_registered(client, n: int, timeout: float, say) -> None:
+    """Wait for ``n`` engines, saying each count. ipyparallel's progress bar would be an
+    output of its own: count here, one engine at a time (each wait still fails at once
+    if an engine set stops, and raises TimeoutError at the deadline)."""
+    deadline = time.monotonic() + timeout
+    while (ready := len(client.ids)) < n:  # read once: another may register meanwhile
+        say(f"{ready}/{n} engines registered")
+        left = max(0.0, deadline - time.monotonic())
+        client.wait_for_engines(ready + 1, timeout=left, interactive=False)
 
 
 def stop(cluster, client) -> None:

@@ -298,10 +298,17 @@ class Dashboard:
         return None if self.chart is None else self.chart.status
 
     def _ipython_display_(self):
+        self.display()
+
+    def display(self) -> None:
+        """Display the widget (its plain line for a page without its model, see
+        `placeholder`); with no ipywidgets, a PNG updated in place."""
         from IPython.display import Image, display
 
         try:
-            display(self.widget)
+            from nbpar.view.placeholder import display_widget
+
+            display_widget(self.widget, f"nbpar dashboard: {self.progress()['text']}")
         except ImportError:  # no widgets: a PNG display handle updated in place
             self.update()
             self._handle = display(Image(self.png()), display_id=True)
@@ -339,9 +346,7 @@ class Dashboard:
     def show(self, background: bool = True, poll_s: float | None = None) -> Dashboard:
         """Display the widget and keep it updated (in a daemon thread by default, so the
         cell returns at once while the run trains)."""
-        from IPython.display import display
-
-        display(self)
+        self.display()
         return self.start(poll_s) if background else self.follow(poll_s)
 
     def start(self, poll_s: float | None = None) -> Dashboard:

@@ -189,6 +189,6 @@ class FitPicker:
         return self.rows
 
     def _ipython_display_(self):
-        from IPython.display import display
+        from nbpar.view.placeholder import display_widget
 
-        display(self.widget)
+        display_widget(self.widget, "nbpar FitPicker: which layouts fit these devices")

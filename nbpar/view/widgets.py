@@ -286,7 +286,6 @@ class StrategyPicker:
 
     def _launch(self, _button=None):
         """The Run button: validate again, train, show the run's dashboard."""
-        from IPython.display import display
 
         from nbpar.view.dashboard import Dashboard
 
@@ -314,7 +313,7 @@ class StrategyPicker:
         self._show_runs()
         self.output.clear_output(wait=True)
         with self.output:
-            display(self.dashboard.widget)
+            self.dashboard.display()  # the widget, with its one plain line (`placeholder`)
         if self.background:
             self.dashboard.start()
         else:
@@ -354,9 +353,14 @@ class StrategyPicker:
             display(self.compare())
 
     def _ipython_display_(self):
-        from IPython.display import display
+        from nbpar.view.placeholder import display_widget
 
-        display(self.widget)
+        f = {name: widget.value for name, widget in self.fields.items()}
+        display_widget(
+            self.widget,
+            f"nbpar StrategyPicker: model {f['model']}, strategy {f['strategy']}, "
+            f"{self.pool.n} engines",
+        )
 
     def __repr__(self):
         return f"<nbpar.StrategyPicker {self.message}>"

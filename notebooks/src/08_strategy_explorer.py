@@ -45,8 +45,7 @@ pool
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-picker = nbpar.StrategyPicker(pool, background=False, model="tiny_gpt", micro_batch=8,
-                              steps=20)
+picker = nbpar.StrategyPicker(pool, model="tiny_gpt", micro_batch=8, steps=20)
 picker
 
 # %% [markdown]
@@ -68,9 +67,10 @@ print(picker.global_batch_text())
 
 # %% [markdown]
 # Pressing **Run** trains `picker.config()` with `pool.train` and shows the run's live
-# dashboard under the form. Here the button is pressed from code; the picker was made
-# with `background=False`, so the click returns when the run is done. The final state
-# of the dashboard, as a figure:
+# dashboard under the form. The run trains in the background: the kernel stays free
+# for other cells while the dashboard follows it. Here the button is pressed from code
+# and `picker.run.wait()` waits for the run's end. The final state of the dashboard, as
+# a figure:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
