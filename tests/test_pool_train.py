@@ -67,8 +67,8 @@ def test_a_busy_pool_names_the_run_that_holds_it(pool):
             pool.train(nbpar.TrainConfig(model="tiny_gpt", strategy="ddp", steps=2))
         said = str(second.value)
         assert "rank(s) [0, 1] are training <nbpar.Run ddp/torch tiny_gpt" in said
-        assert "a new run starts when it ends" in said and "run.stop()" in said
-        with pytest.raises(nbpar.PoolError, match="a cell starts when it ends.*would end it"):
+        assert "a new run can start once it ends" in said and "run.stop()" in said
+        with pytest.raises(nbpar.PoolError, match="a cell can start once it ends.*would end it"):
             pool.execute("x = 1")
     finally:
         run.stop()

@@ -96,7 +96,7 @@ def busy_message(pool, busy: list[int], asked: str) -> str:
             f"collective): wait for it, or run `%dist restart`"
         )
     return (
-        f"rank(s) {busy} are training {run!r}: {asked} starts when it ends; "
+        f"rank(s) {busy} are training {run!r}: {asked} can start once it ends; "
         f"wait for it (run.wait()) or stop it (run.stop(), or the picker's Stop); "
         f"`%dist restart` would end it"
     )

@@ -162,6 +162,11 @@ def lab(tmp_path_factory):
         path = config / "lab" / "user-settings" / f"{name}.jupyterlab-settings"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(values))
+    # a peer a benchmark installs beside nbpar (jupyter-distributed) proxies every kernel
+    # and redraws its outputs: the page must show what nbpar sends
+    (config / "jupyter_server_config.json").write_text(
+        json.dumps({"ServerApp": {"jpserver_extensions": {"jupyter_distributed": False}}})
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("MPLBACKEND", "JUPYTER_PATH")}
     env.update(
         IPYTHONDIR=str(root / "ipython"),

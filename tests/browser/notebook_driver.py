@@ -17,6 +17,18 @@ RUN_CELL = """async (i) => {
   while (kernel.status !== 'idle') await new Promise(r => setTimeout(r, 200));
   return w.content.model.toJSON().cells[i].outputs;
 }"""
+# Start cell i and return at once (the cell runs on; OUTPUT_TEXT reads what it shows)
+START_CELL = """(i) => {
+  const w = window.jupyterapp.shell.currentWidget;
+  w.content.activeCellIndex = i;
+  window.jupyterapp.commands.execute('notebook:run-cell');
+}"""
+# The text of cell i's output area as the page draws it
+OUTPUT_TEXT = """(i) => {
+  const node = window.jupyterapp.shell.currentWidget.content.widgets[i].node;
+  const out = node.querySelector('.jp-OutputArea');
+  return out ? out.innerText : '';
+}"""
 # What the live dashboard shows now, read from the DOM the browser drew
 LIVE_STATE = """() => {
   const root = document.querySelector('.nbpar-live');
@@ -100,9 +112,9 @@ def start_picker(page) -> Picker:
 class Picker:
     """The StrategyPicker's controls in the page, found by their labels."""
 
-    def __init__(self, page):
+    def __init__(self, page, nth: int = 0):
         self.page = page
-        self.root = page.locator(".nbpar-picker").first
+        self.root = page.locator(".nbpar-picker").nth(nth)  # in the page's order
 
     def control(self, label: str):
         exact = re.compile(rf"^{re.escape(label)}$")

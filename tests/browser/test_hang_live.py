@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.browser.conftest import ARTIFACTS
-from tests.browser.notebook_driver import open_fresh, run_cell
+from tests.browser.notebook_driver import OUTPUT_TEXT, START_CELL, open_fresh, run_cell
 
 CELLS = [
     "%load_ext nbpar\nimport nbpar\npool = nbpar.Pool(2)\npool",
@@ -21,16 +21,6 @@ CELLS = [
     "print(int(t[0]))",
     "pool.shutdown()",
 ]
-START_CELL = """(i) => {
-  const w = window.jupyterapp.shell.currentWidget;
-  w.content.activeCellIndex = i;
-  window.jupyterapp.commands.execute('notebook:run-cell');
-}"""
-OUTPUT_TEXT = """(i) => {
-  const node = window.jupyterapp.shell.currentWidget.content.widgets[i].node;
-  const out = node.querySelector('.jp-OutputArea');
-  return out ? out.innerText : '';
-}"""
 KERNEL_IDLE = "() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status"
 # The word comes at the second look (4 s apart): about 8 s in; room for a loaded machine.
 SHOWN_WITHIN_S = 30
