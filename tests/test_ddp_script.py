@@ -71,7 +71,7 @@ def test_torchrun_script_ends_with_the_weights_of_nbpar_ddp(tmp_path):
     proc = subprocess.run(
         [*cmd, script, "--out", str(out)], capture_output=True, text=True, timeout=200
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, f"stdout: {proc.stdout[-1500:]}\nstderr: {proc.stderr[-3000:]}"
     lines = proc.stdout.strip().splitlines()
     assert sum(line.startswith("step ") for line in lines) == 2  # rank 0 only: steps 0 and 5
     script_losses = json.loads(lines[-1])["losses"]

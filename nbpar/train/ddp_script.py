@@ -95,6 +95,7 @@ def main(argv=None) -> None:
             if args.out:
                 torch.save(model.state_dict(), args.out)
             print(json.dumps({"losses": losses}), flush=True)
+        dist.barrier()  # all ranks leave together: none closes its links while one still works
     finally:
         dist.destroy_process_group()
 
