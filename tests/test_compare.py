@@ -60,7 +60,8 @@ def test_text_and_html_reprs():
     assert "peak/rank" in text[0] and len(text) == 3  # like for like: no warning
     assert text[1].startswith("ddp/torch") and format_bytes(125 * MB) in text[1]
     page = cmp._repr_html_()
-    assert page.count("<tr>") == 3 and "zero3/deepspeed" in page
+    assert page.count("<table>") == 2 and page.count("<tr>") == 2 * 3  # two tables, 2 runs
+    assert "zero3/deepspeed" in page
     png = base64.b64decode(re.search(r"base64,([A-Za-z0-9+/=]+)", page).group(1))
     assert png[:4] == b"\x89PNG"
 
@@ -218,3 +219,46 @@ def test_the_blocked_share_of_a_normal_step_is_a_column_a_tick_and_a_line():
     assert list(tick.get_xdata()) == [0] and list(tick.get_ydata()) == [0.37]
     assert "blocked 37% of a normal step" in describe(with_clock)[2]
     assert "blocked" not in describe(without)[2]
+
+
+def test_the_html_tables_fit_a_notebook_and_lose_no_column():
+    """Two tables of at most eight columns (memory; time and communication), each in a box
+    that scrolls sideways rather than cutting its last columns; every column is in one."""
+    from nbpar.view.compare import COLUMNS, HTML_TABLES
+
+    cmp = compare(list(_runs()))
+    page = cmp.html_table()
+    tables = re.findall(r"<div style='overflow-x:auto[^']*'><table>(.*?)</table></div>", page)
+    assert len(tables) == len(HTML_TABLES) == 2
+    heads = [re.findall(r"<th>(.*?)</th>", t) for t in tables]
+    assert all(len(h) <= 8 and h[0] == "run" for h in heads)
+    titles = [title for _, title in COLUMNS]
+    shown = [t for h in heads for t in h[1:]]
+    assert sorted(shown) == sorted(titles[1:])  # each column once, none left out
+    for table in tables:  # one row per run, as many cells as headers
+        rows = re.findall(r"<tr>(.*?)</tr>", table)[1:]
+        assert [r.count("<td") for r in rows] == [len(re.findall("<th>", table))] * 2
+
+
+def test_the_figure_legend_names_every_mark_and_covers_no_bar():
+    """The communication panel's legend sits below the panels: it overlaps no bar of any
+    panel, and each of its marks (exposed, waiting, the blocked tick, the 20% line) has
+    an entry."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    ddp, zero = (r.result() for r in _runs())
+    fig = compare(
+        [{**ddp, "comm_blocked_fraction": 0.3}, {**zero, "comm_wait_fraction": 0.1}]
+    ).figure
+    FigureCanvasAgg(fig).draw()
+    (legend,) = fig.legends
+    box = legend.get_window_extent()
+    for ax in fig.axes:
+        assert not ax.legend_  # no legend inside a panel
+        for bar in ax.patches:
+            assert not box.overlaps(bar.get_window_extent()), ax.get_title()
+    labels = [t.get_text() for t in legend.get_texts()]
+    comm = fig.axes[2]
+    colours = {tuple(p.get_facecolor()) for p in comm.patches}
+    assert len(colours) == 2 == sum(label.startswith(("exposed", "waiting")) for label in labels)
+    assert "blocked, a normal step" in labels and "20% exposed" in labels

@@ -150,6 +150,9 @@ def test_the_python_compare_takes_project_as_the_command_does(files, capsys):
     assert cmp.table[0]["projected"]["step_s"] == pytest.approx(expected(RUNS["ddp"]).step_s)
     page = cmp._repr_html_()
     assert "nbpar-projected" in page and "est. = estimated by nbpar.project" in page
+    est = cmp.table[0]["projected"]  # each run's estimate is in a table of the page too
+    assert f"<td style='text-align:right'>{est['step_s']:.3g}</td>" in page
+    assert f"<td style='text-align:right'>{est['exposed_share']:.1%}</td>" in page
     assert nbpar.compare(list(RUNS.values())).projected is None
     assert "nbpar-projected" not in nbpar.compare(list(RUNS.values()))._repr_html_()
     with pytest.raises(ValueError, match="H999"):

@@ -12,7 +12,7 @@ import html
 
 from nbpar.estimate import format_bytes
 from nbpar.measure.records import MEMORY_PARTS, PART_NAMES, model_state_bytes
-from nbpar.view.history import run_label
+from nbpar.view.history import COMM_HEALTH, run_label
 from nbpar.view.panels import blocked_ticks, bytes_axis, figure_png
 
 REQUIRED = ("config", "losses", "ranks", "step_time_s", "comm_fraction")
@@ -32,6 +32,20 @@ COLUMNS = (
     ("comm_wait_fraction", "waiting"),
     ("comm_bytes", "ring bytes/step/rank (c10d)"),
     ("final_loss", "final loss"),
+)
+#: The HTML tables, each narrow enough for a notebook (about eight columns): memory, then
+#: time; every column of `COLUMNS` is in one of them.
+HTML_TABLES = (
+    (
+        "memory per rank (the largest rank's)",
+        ("label", "steps", "global_batch", "precision")
+        + ("peak_bytes", "param_bytes", "grad_bytes", "optim_bytes"),
+    ),
+    (
+        "time and communication",
+        ("label", "step_time_s", "comm_blocked_fraction", "comm_fraction")
+        + ("exposed_comm_fraction", "comm_wait_fraction", "comm_bytes", "final_loss"),
+    ),
 )
 FONT = 11  # points: the figure is shown about its own width, so this is what you read
 
@@ -185,18 +199,17 @@ class Comparison:
         return projected_table(measured, {"runs": self.table, "projected": self.projected})
 
     def html_table(self) -> str:
-        head = "".join(f"<th>{html.escape(t)}</th>" for _, t in COLUMNS)
-        body = "".join(
-            "<tr>"
-            + "".join(
-                f"<td style='text-align:{'left' if k == 'label' else 'right'}'>"
-                f"{html.escape(_fmt(k, row[k]))}</td>"
-                for k, _ in COLUMNS
+        """The table as `HTML_TABLES`: one HTML table each, scrolled sideways, never cut,
+        where the notebook is narrower still."""
+        titles = dict(COLUMNS)
+        return "".join(
+            html_grid(
+                caption,
+                [titles[k] for k in keys],
+                [[_fmt(k, row[k]) for k in keys] for row in self.table],
             )
-            + "</tr>"
-            for row in self.table
+            for caption, keys in HTML_TABLES
         )
-        return f"<table><tr>{head}</tr>{body}</table>"
 
     def png(self) -> bytes:
         return figure_png(self.figure)
@@ -209,12 +222,23 @@ class Comparison:
         )
 
     def html_projection(self) -> str:
-        """With a projection: the estimate as the text table prints it, apart."""
+        """With a projection: each run's estimate as a table of its own, then the lines
+        the text table prints after it (runs not projected, the assumptions)."""
         if self.projected is None:
             return ""
+        from nbpar.view.compare_project import estimate_cells
+
+        head = ["run", f"est. step on {self.projected['hardware']} (s)", "est. exposed"]
+        rows = [
+            [row["label"], *(("-", "-") if row["projected"] is None else estimate_cells(row))]
+            for row in self.table
+        ]
         measured = len(self.table) + 1 + len(self.warnings)
         text = "\n".join(repr(self).splitlines()[measured:])
-        return f"<pre class='nbpar-projected'>{html.escape(text)}</pre>"
+        return (
+            html_grid("estimated, not measured", head, rows)
+            + f"<pre class='nbpar-projected'>{html.escape(text)}</pre>"
+        )
 
     def _repr_html_(self) -> str:
         img = base64.b64encode(self.png()).decode("ascii")
@@ -225,10 +249,27 @@ class Comparison:
         )
 
 
+def html_grid(caption: str, head: list[str], rows: list[list[str]]) -> str:
+    """One HTML table under its caption, the first column left-aligned, numbers right;
+    a notebook narrower than the table scrolls it sideways."""
+    cell = "<td style='text-align:{}'>{}</td>"
+    body = "".join(
+        "<tr>"
+        + "".join(cell.format("right" if i else "left", html.escape(c)) for i, c in enumerate(r))
+        + "</tr>"
+        for r in rows
+    )
+    return (
+        f"<div style='overflow-x:auto;max-width:100%;margin:4px 0'><table>"
+        f"<caption style='text-align:left;font-weight:600'>{html.escape(caption)}</caption>"
+        f"<tr>{''.join(f'<th>{html.escape(t)}</th>' for t in head)}</tr>{body}</table></div>"
+    )
+
+
 def _figure(rows: list[dict]):
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(12, 3.6), dpi=90, layout="constrained")
+    fig = Figure(figsize=(12, 4.0), dpi=90, layout="constrained")
     axes = fig.subplots(1, 4)
     labels = [r["label"] for r in rows]
     x = list(range(len(rows)))
@@ -239,7 +280,7 @@ def _figure(rows: list[dict]):
         ("final_loss", "final loss", "tab:purple"),
     )
     for ax, (key, title, color) in zip(axes, panels):
-        ax.bar(x, [r[key] if r[key] is not None else 0.0 for r in rows], color=color)
+        ax.bar(x, [r[key] if r[key] is not None else 0.0 for r in rows], color=color, label=title)
         ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=FONT)
         ax.tick_params(axis="y", labelsize=FONT)
         ax.set_title(title, fontsize=FONT + 1)
@@ -248,12 +289,17 @@ def _figure(rows: list[dict]):
     wait = [r.get("comm_wait_fraction") or 0.0 for r in rows]
     if any(wait):  # waiting for a slower rank, stacked on the exposed share
         axes[2].bar(x, wait, bottom=exposed, color="tab:orange", label="waiting for a rank")
-        axes[2].legend(fontsize=FONT - 2)
     blocked = [r["comm_blocked_fraction"] for r in rows]
     if any(b is not None for b in blocked):  # a normal step's blocked share, on each bar
         blocked_ticks(axes[2], blocked, label="blocked, a normal step", size=24)
-        axes[2].legend(fontsize=FONT - 2)
-    axes[2].axhline(0.2, ls="--", color="k", lw=1)
+    axes[2].axhline(COMM_HEALTH, ls="--", color="k", lw=1, label=f"{COMM_HEALTH:.0%} exposed")
+    # below the panels, where it covers no bar: every mark of the communication panel
+    fig.legend(
+        *axes[2].get_legend_handles_labels(),
+        loc="outside lower center",
+        ncols=4,
+        fontsize=FONT - 1,
+    )
     return fig
 
 

@@ -46,7 +46,7 @@ def projected_table(measured: str, out: dict) -> str:
     lines = measured.splitlines()
     table, warnings = lines[: 1 + len(out["runs"])], lines[1 + len(out["runs"]) :]
     cells = [(f"est. step on {proj['hardware']} (s)", "est. exposed")]
-    cells += [("-", "-") if r["projected"] is None else _estimate_cells(r) for r in out["runs"]]
+    cells += [("-", "-") if r["projected"] is None else estimate_cells(r) for r in out["runs"]]
     widths = [max(len(c[i]) for c in cells) for i in (0, 1)]
     width = max(map(len, table))
     rows = [
@@ -63,7 +63,7 @@ def projected_table(measured: str, out: dict) -> str:
     return "\n".join(rows)
 
 
-def _estimate_cells(row: dict) -> tuple[str, str]:
+def estimate_cells(row: dict) -> tuple[str, str]:
     """A row's estimated step (seconds) and exposed communication share, as printed."""
     p = row["projected"]
     return f"{p['step_s']:.3g}", f"{p['exposed_share']:.1%}"
