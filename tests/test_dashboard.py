@@ -12,7 +12,7 @@ import pytest
 from nbpar.estimate import estimate_memory
 from nbpar.view.dashboard import Dashboard, format_seconds
 from nbpar.view.history import COMM_HEALTH, by_rank
-from nbpar.view.live import WAITING, LiveFeed
+from nbpar.view.live import WAITING, LiveFeed, nested_widths, rank_color
 from nbpar.view.plots import plot_losses, plot_memory, plot_step_split
 from tests.viz_fakes import MB, FakeRun, history
 
@@ -37,7 +37,8 @@ def test_before_the_first_step_every_panel_waits_without_axes():
     chunk, spec = dash.chart.chunk, dash.chart.spec
     assert dash.chart.x == [] and chunk["x"] == []
     assert spec["waiting"] == WAITING == "waiting for the first step"
-    assert [p["id"] for p in spec["panels"]] == ["loss", "step", "throughput", "states", "process"]
+    panels = ["loss", "step", "comm", "throughput", "states", "process"]
+    assert [p["id"] for p in spec["panels"]] == panels
     assert all(p["series"] == [] for p in spec["panels"])  # nothing to draw yet
     assert dash.status == {"text": "starting… 0/20 steps", "value": 0, "max": 20, "style": ""}
     assert chunk["status"] == dash.status  # the progress line travels with the data
@@ -113,24 +114,63 @@ def test_memory_states_and_process_are_separate_panels_per_rank():
 
 
 def test_step_and_comm_time_per_rank_with_the_health_note():
+    """Step time and exposed communication are two panels of one line per rank each, in
+    the rank's full colour (four ranks: four legend entries a panel, not eight pale
+    lines in one)."""
     run = FakeRun(history=history(4, comm=(0.01, 0.1)))
     dash = live(run)
-    labels = [s["label"] for s in _panel(dash.chart.spec, "step")["series"]]
-    assert labels == [
-        "rank 0 step",
-        "rank 1 step",
-        "rank 0 exposed comm",
-        "rank 1 exposed comm",
-    ]
+    for pid in ("step", "comm"):
+        series = _panel(dash.chart.spec, pid)["series"]
+        assert [s["label"] for s in series] == ["rank 0", "rank 1"]
+        assert [s["color"] for s in series] == [rank_color(0), rank_color(1)]  # opaque
     rank1 = [r for r in run.history if r["rank"] == 1]
     assert _col(dash.chart, "step", 1) == [r["step_time_s"] for r in rank1]
     # the metered step (2) measured 0.1 s in flight, half exposed; carried forward
-    assert _col(dash.chart, "step", 3) == [None, None, 0.05, 0.05]
+    assert _col(dash.chart, "comm", 1) == [None, None, 0.05, 0.05]
     metered = next(r for r in rank1 if r.get("comm_metered"))
     share = 0.05 / metered["comm_window_s"]  # of the metered step, as measured
     assert share > COMM_HEALTH
-    assert f"rank 1 {share:.0%}" in dash.chart.notes["step"]
-    assert "worth a look" in dash.chart.notes["step"]
+    assert f"rank 1 {share:.0%}" in dash.chart.notes["comm"]
+    assert "worth a look" in dash.chart.notes["comm"]
+
+
+def test_lines_that_coincide_show_every_rank():
+    """Ranks that hold the same states draw the same line: each rank's is thinner than
+    the one drawn before it, so rank 0 shows as the outer stripe, not hidden."""
+    ranks = [0, 1, 2, 3]
+    assert nested_widths(4) == [6.0, 4.5, 3.0, 1.5]
+    assert nested_widths(1) == [1.5]
+    assert nested_widths(16)[0] == 6.0 and nested_widths(16)[-1] == 1.5  # at most 4.5 px more
+    widths = nested_widths(16)
+    assert all(a > b for a, b in zip(widths, widths[1:]))
+    dash = live(FakeRun(ranks=ranks, history=history(3, ranks=ranks, comm=(0.01,) * 4)))
+    for pid in ("states", "process", "step", "comm"):
+        assert [s["width"] for s in _panel(dash.chart.spec, pid)["series"]] == nested_widths(4)
+
+
+def test_worth_a_look_gives_way_to_a_machine_whose_timings_cannot_carry_it():
+    """Live, the step panel says how far each rank's normal steps spread; with steps that
+    spread too widely, a share above 20% is not called worth a look. Once the run ended,
+    its own verdict (hosts' load and spread, `Run.timing_verdict`) decides."""
+    calm = live(FakeRun(history=history(12, comm=(0.01, 0.1))))
+    assert "step times within" in calm.chart.notes["step"]
+    assert "worth a look" in calm.chart.notes["comm"]
+    noisy = history(12, comm=(0.01, 0.1))
+    for rec in noisy:
+        rec["step_time_s"] *= 1 + 2 * (rec["step"] % 2)  # every other step 3x slower
+    dash = live(FakeRun(history=noisy))
+    assert "timings unreliable so far: step times spread" in dash.chart.notes["step"]
+    comm = dash.chart.notes["comm"]
+    assert "worth a look" not in comm and "above 20%, but timings unreliable" in comm
+    done = FakeRun(history=history(12, comm=(0.01, 0.1)), finished=True)
+    done.timing_verdict = lambda: (
+        False,
+        "timings unreliable: other processes took 60% of the 2 cores",
+    )
+    dash = live(done)
+    dash.update(force=True)
+    assert dash.chart.notes["step"].startswith("timings unreliable: other processes took 60%")
+    assert "worth a look" not in dash.chart.notes["comm"]
 
 
 def test_throughput_unit_is_fixed_by_the_first_step():
@@ -314,7 +354,7 @@ def test_plot_step_split_static():
     expected = [0.6 * g[0]["comm_s"] / g[0]["step_time_s"] for g in normal.values()]
     assert list(tick.get_xdata()) == [0, 1]
     assert list(tick.get_ydata()) == pytest.approx(expected)
-    note = live(run).chart.notes["step"]
+    note = live(run).chart.notes["comm"]
     assert "blocked on communication in a normal step (every step): rank 0 " in note
     assert f"rank 1 {expected[1]:.0%}" in note
 
@@ -324,7 +364,7 @@ def test_step_split_is_empty_before_the_first_metered_step():
     ax = plot_step_split(run).axes[0]
     assert [p.get_height() for p in ax.patches] == [0.0] * 8
     dash = live(run)
-    assert "not metered yet" in dash.chart.notes["step"]
+    assert "not metered yet" in dash.chart.notes["comm"]
 
 
 def test_loss_difference_figure_plots_both_curves_and_their_difference():

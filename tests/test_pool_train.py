@@ -223,7 +223,7 @@ def test_the_blocked_share_reads_the_same_in_a_result_and_on_the_dashboard(pool)
     dash = Dashboard(run)
     assert dash.widget.children[-1] is dash.chart  # its browser chart, as a notebook shows it
     dash.update(force=True)
-    note = dash.chart.notes["step"]
+    note = dash.chart.notes["comm"]
     found = re.search(r"blocked on communication in a normal step \(every step\): ([^;]*);", note)
     assert found, note
     on_dashboard = {  # "rank 0 23% · rank 1 19%"

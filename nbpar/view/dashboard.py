@@ -146,6 +146,19 @@ class Dashboard:
             "text": text,
         }
 
+    def _judge_timings(self) -> bool:
+        """Once the run ended: give the feed the run's own verdict on its timings (the
+        hosts' load and the steps' spread, `Run.timing_verdict`). True the one time it
+        is new."""
+        judge = getattr(self.run, "timing_verdict", None)
+        if self.feed.verdict is not None or self.error is not None or not callable(judge):
+            return False
+        try:
+            self.feed.verdict = judge()
+        except Exception:  # a failed run: its error is what the page shows, not a verdict
+            return False
+        return True
+
     def _phase(self) -> str | None:
         """The run's set-up stage before its first step (`Run.phase`), if it has one."""
         return getattr(self.run, "phase", None)
@@ -169,12 +182,13 @@ class Dashboard:
             self.text = info["text"]
             if self.chart is not None:  # one message to the page: new steps and progress
                 steps, cols, spec = self.feed.read(history)
+                judged = done and self._judge_timings()
                 status = self._status(info, done)
-                if steps or spec is not None or status != self.chart.status:
+                if steps or spec is not None or judged or status != self.chart.status:
                     self.chart.push(
                         steps,
                         cols,
-                        self.feed.notes() if steps else None,
+                        self.feed.notes() if steps or judged else None,
                         spec=spec,
                         times=self.feed.times,
                         status=status,

@@ -12,8 +12,9 @@ they live in.
 from __future__ import annotations
 
 from nbpar.estimate import format_bytes
+from nbpar.measure.machine import EXACT, SPREAD_LIMIT, SPREAD_MIN_STEPS, step_spread
 from nbpar.measure.records import memory_key, model_state_bytes, model_states
-from nbpar.measure.step_split import blocked_share
+from nbpar.measure.step_split import SETUP_STEPS, blocked_share, normal_step_times
 from nbpar.view.history import COMM_HEALTH, comm_split
 
 WAITING = "waiting for the first step"
@@ -33,6 +34,7 @@ PALETTE = (
 TITLES = {
     "loss": "loss",
     "step": "step time per rank",
+    "comm": "exposed communication per rank (latest metered step)",
     "throughput": "throughput",
     "states": "model states per rank (params + grads + optimizer)",
     "process": "process memory per rank",
@@ -66,6 +68,23 @@ def _series(label: str, i: int, light: bool = False, **style) -> dict:
     return {"label": label, "color": rank_color(i) + ("80" if light else ""), **style}
 
 
+def nested_widths(n: int, base: float = 1.5, extra: float = 4.5) -> list[float]:
+    """Line widths for ``n`` ranks drawn in rank order: each a little thinner than the one
+    below it (rank 0 widest, the last rank ``base``), so lines that coincide (ranks
+    holding the same states, a tp group's shared loss) show every colour as a stripe
+    rather than the last rank hiding rank 0. At most ``extra`` pixels wider in all."""
+    step = min(1.5, extra / (n - 1)) if n > 1 else 0.0
+    return [round(base + step * (n - 1 - i), 2) for i in range(n)]
+
+
+def _rank_series(ranks: list[int], fmt: str = "rank {}", base: float = 1.5, **style) -> list:
+    """One series per rank, ``nested_widths`` apart."""
+    widths = nested_widths(len(ranks), base)
+    return [
+        _series(fmt.format(r), i, width=w, **style) for i, (r, w) in enumerate(zip(ranks, widths))
+    ]
+
+
 def build_spec(ranks: list[int], first: list[dict]) -> dict:
     """The panels for this run, decided by its first complete step (never changed later,
     so units do not jump): local losses if recorded, tokens/s or samples/s, RSS or
@@ -75,21 +94,13 @@ def build_spec(ranks: list[int], first: list[dict]) -> dict:
     device = memory_key(first[0]) == "device_allocated_bytes"
     loss = [{"label": "loss (mean over ranks)", "color": "#222222", "width": 2.5}]
     if local:
-        loss += [
-            _series(f"rank {r} replica batch", i, width=1, light=True) for i, r in enumerate(ranks)
-        ]
-    step = [_series(f"rank {r} step", i) for i, r in enumerate(ranks)]
-    step += [_series(f"rank {r} exposed comm", i, width=1, light=True) for i, r in enumerate(ranks)]
+        loss += _rank_series(ranks, "rank {} replica batch", base=1, light=True)
     unit = "tokens/s" if tokens else "samples/s"
     mem = "device memory per rank (allocated)" if device else "process memory per rank (RSS)"
     panels = [
         {"id": "loss", "title": TITLES["loss"], "unit": "", "series": loss},
-        {
-            "id": "step",
-            "title": "step and communication time per rank",
-            "unit": "s",
-            "series": step,
-        },
+        {"id": "step", "title": TITLES["step"], "unit": "s", "series": _rank_series(ranks)},
+        {"id": "comm", "title": TITLES["comm"], "unit": "s", "series": _rank_series(ranks)},
         {
             "id": "throughput",
             "title": f"throughput ({unit})",
@@ -100,13 +111,13 @@ def build_spec(ranks: list[int], first: list[dict]) -> dict:
             "id": "states",
             "title": TITLES["states"],
             "unit": "B",
-            "series": [_series(f"rank {r}", i) for i, r in enumerate(ranks)],
+            "series": _rank_series(ranks),
         },
         {
             "id": "process",
             "title": mem,
             "unit": "B",
-            "series": [_series(f"rank {r}", i) for i, r in enumerate(ranks)],
+            "series": _rank_series(ranks),
         },
     ]
     return {
@@ -136,6 +147,8 @@ class LiveFeed:
         self._peak = dict.fromkeys(self.ranks, 0)
         self.latest: dict[int, dict] = {}
         self.times: tuple | None = None  # (first, latest) record time read
+        #: the run's (reliable, line) about its timings once it ended (`Run.timing_verdict`)
+        self.verdict: tuple[bool, str] | None = None
 
     def _new_records(self, history: list[dict]) -> list[dict]:
         out = [
@@ -178,12 +191,12 @@ class LiveFeed:
             self._normal[rank].append({k: rec.get(k) for k in BLOCKED_KEYS})
         # communication as the latest metered step measured it, carried forward
         exposed = [(self._metered.get(r) or {}).get("exposed_comm_s") for r in self.ranks]
-        step = [r.get("step_time_s") for r in recs] + exposed
         rates = [r.get(spec["throughput_key"]) for r in recs]
         rates = [v for v in rates if v is not None]
         row = {
             "loss": loss,
-            "step": step,
+            "step": [r.get("step_time_s") for r in recs],
+            "comm": exposed,
             "throughput": [min(rates) if rates else None],
             "states": [model_state_bytes(r) for r in recs],
             "process": [r.get(spec["memory_key"]) for r in recs],
@@ -203,6 +216,28 @@ class LiveFeed:
     def _blocked(self, rank: int) -> float | None:
         """The rank's blocked share of a normal step so far (`step_split.blocked_share`)."""
         return blocked_share(self._normal[rank])
+
+    def timing(self) -> tuple[bool, str | None]:
+        """(reliable, the line that says why) for the time figures so far: the run's own
+        verdict once it ended (``verdict``, `Run.timing_verdict`: the hosts' load and the
+        steps' spread); while it trains, the spread of each rank's normal steps (no line
+        before there are enough of them)."""
+        if self.verdict is not None:
+            return self.verdict
+        spreads = [step_spread(normal_step_times(self._normal[r])) for r in self.ranks]
+        spreads = [x for x in spreads if x is not None]
+        if not spreads:
+            return True, None
+        spread = max(spreads)
+        if spread > SPREAD_LIMIT:
+            return False, (
+                f"timings unreliable so far: step times spread {spread:.0%} around their "
+                f"median; {EXACT}"
+            )
+        return True, (
+            f"step times within {spread:.0%} of their median so far (the machine's load "
+            "is judged when the run ends)"
+        )
 
     def notes(self) -> dict[str, str]:
         """One line under each panel with the latest numbers (empty before the first step)."""
@@ -227,6 +262,13 @@ class LiveFeed:
             )
         else:
             comm = f"exposed share of the metered step: {comm}"
+        reliable, timing = self.timing()
+        if busy:  # the rule of thumb, unless this machine's timings cannot carry it
+            comm += (
+                f" (above {COMM_HEALTH:.0%}: worth a look)"
+                if reliable
+                else (f" (above {COMM_HEALTH:.0%}, but {timing})")
+            )
         states = " · ".join(
             f"rank {r}: "
             + ", ".join(f"{k} {format_bytes(v)}" for k, v in model_states(self.latest[r]).items())
@@ -242,9 +284,10 @@ class LiveFeed:
         rate = self.latest[ranks[-1]].get(spec["throughput_key"])
         return {
             "loss": loss,
-            "step": "dark: the step, light: its exposed communication (latest metered step); "
-            + comm
-            + (f" (above {COMM_HEALTH:.0%}: worth a look)" if busy else ""),
+            "step": timing
+            or "each rank's step; whether its timings can be trusted shows "
+            f"after {SETUP_STEPS + SPREAD_MIN_STEPS} steps",
+            "comm": comm,
             "throughput": "the whole run's rate, set by the slowest rank"
             + (f"; latest {rate:,.0f} {spec['throughput_key'][:-6]}/s" if rate else ""),
             "states": states,

@@ -40,7 +40,7 @@ CELLS = [
     "print(json.dumps({'shown': step_s(picker.run)}))",
     "pool.shutdown()",
 ]
-PANELS = ("loss", "step", "throughput", "states", "process")
+PANELS = ("loss", "step", "comm", "throughput", "states", "process")
 # The promise: data within 1 s of the first step, then at least once a second; 0.1 s
 # for the page's own sampling. The worst sample may be twice that on a shared machine.
 FIRST_S, LAG_S = 1.1, 1.1
