@@ -31,6 +31,10 @@ another host, and point-to-point ops, count as transfer throughout.
 
 A dispatch mode sends every op of the step through Python, so a run meters sampled steps
 (`nbpar.train.loop.is_metered`), not all of them.
+
+On a GPU the host only queues kernels, and NCCL's Futures complete when an op is queued:
+there the meter's marks are events on the device stream (`nbpar.measure.clocks`), read
+once the step's work is done, and a collective ends when its Work says it completed.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ import threading
 import time
 
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from nbpar.measure.clocks import HostClock
 
 # c10d op name -> (kind reported, which argument holds the "whole" tensor(s), ring factor)
 # factor(n) is the share of the whole tensor one rank sends.
@@ -207,40 +213,43 @@ class CommMeter(TorchDispatchMode):
     """Count the bytes each kind of c10d op moves while active, and time the
     communication in flight and exposed (see module doc)."""
 
-    def __init__(self, clock=time.perf_counter):
+    def __init__(self, clock=time.perf_counter, marks: HostClock | None = None):
         super().__init__()
         self.bytes_by_op: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self.clock = clock
+        # what times the ops: the host's clock, or the device stream's (`step_clock`)
+        self.marks = marks if marks is not None else HostClock(clock)
         self._lock = threading.Lock()
         self._flight: list[list[float | None]] = []  # [start, end]; end None until done
         self._pending: dict[int, list] = {}  # functional collective output -> its interval
         self._compute: list[tuple[float, float]] = []
         self._opened_at: float | None = None
         self._closed_at: float | None = None
-        self._polled: list = []  # (Work, interval) of Works that have no Future
+        self._polled: list = []  # (Work, interval) watched by asking the Work
         self._poller: threading.Thread | None = None
         self._collectives: list[tuple[str, list]] = []  # (group name, interval), in order
         self._ready: dict[int, float] = {}  # id(interval) -> when the last rank launched
 
-    def _done(self, interval, _fut=None) -> None:
+    def _done(self, interval, end=None) -> None:
+        """End ``interval`` at ``end`` (a mark), or now on the host's clock."""
         with self._lock:
             if interval[1] is None:
-                interval[1] = self.clock()
+                interval[1] = self.clock() if end is None else end
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func.namespace not in ("c10d", "_c10d_functional"):
-            t0 = self.clock()
+            t0 = self.marks.mark()
             out = func(*args, **kwargs)
-            self._compute.append((t0, self.clock()))
+            self._compute.append((t0, self.marks.mark()))
             return out
         name = func.__name__.split(".")[0]
         if func.namespace == "_c10d_functional" and name == "wait_tensor":
             out = func(*args, **kwargs)
             interval = self._pending.pop(id(args[0]), None)
             if interval is not None:
-                self._done(interval)
+                self._done(interval, self.marks.mark())  # the stream waited for it here
             return out
         args_ = list(args) + list(kwargs.values())
         moved = (moved_bytes if func.namespace == "c10d" else functional_moved_bytes)(name, args_)
@@ -249,7 +258,7 @@ class CommMeter(TorchDispatchMode):
         kind, nbytes = moved
         self.bytes_by_op[kind] = self.bytes_by_op.get(kind, 0.0) + nbytes
         self.calls[kind] = self.calls.get(kind, 0) + 1
-        interval = [self.clock(), None]
+        interval = [self.marks.mark(), None]
         self._flight.append(interval)
         if kind != "send_recv":
             group = _group_name(func.namespace, args_)
@@ -259,15 +268,24 @@ class CommMeter(TorchDispatchMode):
         if func.namespace == "_c10d_functional":
             self._pending[id(out)] = interval
             return out
-        work = _work_of(out)
-        if work is None or work.is_completed():
-            self._done(interval)
-            return out
-        try:
-            work.get_future().add_done_callback(lambda fut: self._done(interval))
-        except RuntimeError:  # some Works have no Future (gloo's send/recv): poll them
-            self._poll(work, interval)
+        self.watch(_work_of(out), interval)
         return out
+
+    def watch(self, work, interval) -> None:
+        """End ``interval`` when ``work`` completes: at once without a Work (the op ran
+        synchronously) or once done; through its Future where that completes with the
+        work, else by asking the Work (NCCL's Future completes when the op is queued;
+        gloo's send/recv have no Future)."""
+        if work is None or work.is_completed():
+            self._done(interval, self.marks.mark())
+            return
+        if not self.marks.completes_at_launch:
+            try:
+                work.get_future().add_done_callback(lambda fut: self._done(interval))
+                return
+            except RuntimeError:  # no Future: poll it
+                pass
+        self._poll(work, interval)
 
     def _poll(self, work, interval) -> None:
         """Watch a Work without a Future from a side thread, every millisecond."""
@@ -293,16 +311,30 @@ class CommMeter(TorchDispatchMode):
             time.sleep(0.001)
 
     def __enter__(self):
+        self.marks.start()
         self._opened_at = self.clock()
         return super().__enter__()
 
     def __exit__(self, *exc):
+        self.marks.settle()  # the device's queued work done: every mark can be read
         with self._lock:
             self._closed_at = self.clock()
             poller = self._poller
         if poller is not None:
             poller.join()
+        self._read_marks()
         return super().__exit__(*exc)
+
+    def _read_marks(self) -> None:
+        """Every interval's marks as seconds on the host's clock (in place: the
+        collectives' list holds the same intervals)."""
+        seconds = self.marks.seconds
+        with self._lock:
+            for interval in self._flight:
+                interval[0] = seconds(interval[0])
+                if interval[1] is not None:
+                    interval[1] = seconds(interval[1])
+            self._compute = [(seconds(a), seconds(b)) for a, b in self._compute]
 
     def _intervals(self) -> list[tuple[float, float]]:
         """In-flight intervals; an op not done when the meter closed ends there."""

@@ -13,6 +13,7 @@ import threading
 import time
 
 from nbpar import device
+from nbpar.measure.clocks import HostClock
 from nbpar.measure.comm import union_s
 from nbpar.measure.records import model_state_bytes
 
@@ -45,16 +46,24 @@ class CommTimer:
     ``comm_s``) but sees only what it wraps; a run's reported ``comm_s``/``exposed_comm_s``
     and the live view's split come from the metered steps' `nbpar.measure.comm.CommMeter`,
     which sees every strategy's ops.
+
+    ``marks`` (`nbpar.measure.clocks.step_clock`) times the collectives: the host's clock
+    on a CPU; on a GPU the device stream's, where a collective's Future completes when it
+    is queued, so its end is an event recorded in the Future's callback, which CUDA
+    orders after the collective. The intervals are read in `comm_s`, after the step
+    synchronized.
     """
 
-    def __init__(self):
+    def __init__(self, marks: HostClock | None = None):
         self._lock = threading.Lock()
-        self._intervals: list[tuple[float, float]] = []
+        self._intervals: list[tuple] = []
         self._t0 = self._t1 = 0.0
+        self.marks = marks if marks is not None else HostClock()
 
     def start_step(self) -> None:
         with self._lock:
             self._intervals = []
+        self.marks.start()
         self._t0 = time.perf_counter()
 
     def end_step(self) -> float:
@@ -69,26 +78,29 @@ class CommTimer:
     @contextlib.contextmanager
     def span(self):
         """Time a blocking collective: ``with timer.span(): dist.all_reduce(t)``."""
-        start = time.perf_counter()
+        start = self.marks.mark()
         try:
             yield
         finally:
-            self.record(start, time.perf_counter())
+            self.record(start, self.marks.mark())
 
     def watch(self, fut):
         """Time an async collective from now until ``fut`` completes; returns the
         chained Future (its value is ``fut``'s value)."""
-        start = time.perf_counter()
+        start = self.marks.mark()
 
         def done(f):
-            self.record(start, time.perf_counter())
+            self.record(start, self.marks.mark())
             return f.value()
 
         return fut.then(done)
 
     def comm_s(self) -> float:
+        """Seconds of the step with a collective in flight (read once the step's work is
+        done: on a GPU after it synchronized)."""
+        seconds = self.marks.seconds
         with self._lock:
-            intervals = list(self._intervals)
+            intervals = [(seconds(a), seconds(b)) for a, b in self._intervals]
         return union_s(
             [
                 (max(a, self._t0), min(b, self._t1))

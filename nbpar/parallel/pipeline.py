@@ -26,6 +26,7 @@ from torch.distributed.pipelining import (
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from nbpar.measure import timeline as _timeline
+from nbpar.measure.clocks import HostClock, clock_for_device
 from nbpar.model.plan import plan_of, require
 from nbpar.strategies import check_pipeline_schedule
 
@@ -112,27 +113,27 @@ class TimedStage(PipelineStage):
         clock: list,
         autocast_dtype=None,
         activations: SavedActivations | None = None,
+        marks: HostClock | None = None,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
         self._events, self._clock = events, clock
+        # the spans' clock: the host's on a CPU, the device stream's on a GPU (there a
+        # chunk's call returns once its kernels are queued); read after the step
+        self.marks = marks if marks is not None else HostClock()
         self._autocast_dtype = autocast_dtype
         self.activations = SavedActivations() if activations is None else activations
 
-    def _record(self, mb: int, kind: str, start: float) -> None:
-        offset = self._clock[0]  # to pp rank 0's clock
+    def _record(self, mb: int, kind: str, start) -> None:
+        """A span from the mark ``start`` to now, as marks (`read_spans` reads them)."""
         self._events.append(
             dict(
-                stage=self.stage_index,
-                microbatch=mb,
-                kind=kind,
-                start=start - offset,
-                end=time.perf_counter() - offset,
+                stage=self.stage_index, microbatch=mb, kind=kind, start=start, end=self.marks.mark()
             )
         )
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
-        start = time.perf_counter()
+        start = self.marks.mark()
         autocast = (
             contextlib.nullcontext()
             if self._autocast_dtype is None
@@ -147,7 +148,7 @@ class TimedStage(PipelineStage):
         return out
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
-        start = time.perf_counter()
+        start = self.marks.mark()
         out = super().backward_one_chunk(
             bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
         )
@@ -233,6 +234,8 @@ class PipelineRunner(StepRunner):
         # a metered step runs every op through a Python dispatch mode (`CommMeter`)
         metered = _get_current_dispatch_mode() is not None
         dist.barrier(group=self.pp_group)
+        marks = self.stages[0].marks
+        marks.start()
         t0 = time.perf_counter() - self._clock[0]
         losses: list = []
         args = (x,) if first else ()
@@ -247,6 +250,8 @@ class PipelineRunner(StepRunner):
             else torch.zeros((), dtype=torch.float32, device=x.device)
         )
         dist.broadcast(loss, src=self._last_rank, group=self.pp_group)
+        marks.settle()
+        read_spans(self._events, marks, self._clock[0])
         self._gather_timeline(t0, metered)
         return loss
 
@@ -287,9 +292,18 @@ class PipelineRunner(StepRunner):
         return self._bubble(_timeline.schedule_bubble)
 
 
+def read_spans(events: list[dict], marks: HostClock, offset: float) -> None:
+    """Each span's marks as seconds on pp rank 0's clock (``offset``: this rank's clock
+    minus rank 0's), in place, once the step's work is done."""
+    for e in events:
+        e["start"] = marks.seconds(e["start"]) - offset
+        e["end"] = marks.seconds(e["end"]) - offset
+
+
 def build_stages(chunks, pp_rank, pp_size, virtual, pp_group, device, autocast_dtype):
     """Wrap this rank's chunks in TimedStages (shapes inferred on the first step)."""
     events, clock, activations = [], [0.0], SavedActivations()
+    marks = clock_for_device(device.type)
     stages = [
         TimedStage(
             chunk,
@@ -301,6 +315,7 @@ def build_stages(chunks, pp_rank, pp_size, virtual, pp_group, device, autocast_d
             clock=clock,
             autocast_dtype=autocast_dtype,
             activations=activations,
+            marks=marks,
         )
         for chunk, sid in zip(chunks, stage_ids(pp_rank, pp_size, virtual))
     ]

@@ -28,6 +28,7 @@ from nbpar import device
 from nbpar.config import TrainConfig
 from nbpar.measure import machine
 from nbpar.measure.blocked import BlockedClock
+from nbpar.measure.clocks import step_clock
 from nbpar.measure.comm import CommMeter, exchange_launches
 from nbpar.measure.memtrack import StepMemory
 from nbpar.measure.metrics import CommTimer, memory_snapshot, step_peak_bytes
@@ -163,6 +164,7 @@ def _loop(cfg, runner, batches, ctx: RankContext, publish, should_stop, start) -
     """Steps ``start .. cfg.steps - 1`` (fewer if the ranks agree to stop), each
     published and checkpointed when due; then this rank's summary."""
     timer = getattr(runner, "comm_timer", None) or CommTimer()
+    timer.marks = step_clock(ctx.backend)  # the device's stream on a GPU, not the launches
     # on a GPU the host thread also waits for its kernels: no blocked clock there
     blocked = BlockedClock() if BLOCKED_CLOCK and ctx.device.type == "cpu" else None
     device.reset_peak(ctx.backend)  # garbage collected first: no earlier run's tensors
@@ -196,7 +198,7 @@ def _step(cfg, runner, batches, ctx, timer: CommTimer, step: int, start: int, bl
         blocked.start()
     comm = mem = None
     if is_metered(step, start, cfg.steps):
-        with CommMeter() as comm, StepMemory(runner) as mem:
+        with CommMeter(marks=step_clock(ctx.backend)) as comm, StepMemory(runner) as mem:
             loss = runner.train_step(micro_batches)
     else:
         loss = runner.train_step(micro_batches)
