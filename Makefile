@@ -101,5 +101,12 @@ bench-results: setup
 bench-report: setup
 	$(PY) benchmarks/report.py
 
+# The first command on a GPU machine (a few minutes on one GPU): device detection, the
+# engine join path on NCCL twice, every strategy on one device, the meter's clock against
+# known work, MFU; writes benchmarks/results/gpu/. GPU_CHECK=--dry-run runs it on a CPU.
+.PHONY: gpu-check
+gpu-check: setup
+	$(PY) benchmarks/gpu_check.py $(GPU_CHECK)
+
 clean:
 	rm -rf .tmp artifacts $(VENV)

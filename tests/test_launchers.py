@@ -187,12 +187,28 @@ def test_gpu_check_help():
 
 
 @pytest.mark.timeout(180)
-def test_gpu_check_dry_run_prints_one_json_object_on_cpu():
-    out = _gpu_check("--dry-run", "--strategies", "single,ddp")
+def test_gpu_check_dry_run_prints_one_json_object_on_cpu(tmp_path):
+    """Everything the first GPU session runs, on the CPU: detection, the engine's join
+    path twice, every strategy at world size 1 (losses agreeing), the meter's clock
+    against known work, and the file it writes with its date and commit."""
+    out = _gpu_check("--dry-run", "--out", str(tmp_path / "gpu"))
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout)
     assert res["dry_run"] and res["device"] == "cpu" and res["peak_tflops"] is None
-    assert [r["strategy"] for r in res["runs"]] == ["single", "ddp"]
+    strategies = ["single", "ddp", "zero1", "zero2", "zero3", "pipeline", "tp", "hybrid"]
+    assert [r["strategy"] for r in res["runs"]] == strategies
+    assert all("error" not in r for r in res["runs"]), res["runs"]
+    assert res["detect"]["torch"] and res["detect"]["default_backend"] == "gloo"
+    assert [a["attempt"] for a in res["join"]["attempts"]] == ["join", "join again"]
+    assert res["join"]["ok"] and res["join"]["attempts"][1]["group_backend"] == "gloo"
+    assert res["losses"]["ok"] and set(res["losses"]["max_abs_diff"]) == set(strategies)
+    meter = res["meter"]  # on a CPU the host's clock is the work's: most of the wall time
+    assert not meter["timed_at_launch"] and meter["meter_compute_s"] <= meter["wall_s"]
+    pipeline = next(r for r in res["runs"] if r["strategy"] == "pipeline")
+    assert 0 < pipeline["spans_share_of_step"] <= 1
+    (written,) = (tmp_path / "gpu").iterdir()
+    saved = json.loads(written.read_text())
+    assert saved["runs"] == res["runs"] and saved["date"] and "commit" in saved
     params = res["model"]["params"]
     assert res["flops_per_token"] == 6 * params + 12 * 2 * 32 * 32
     for run in res["runs"]:
@@ -257,3 +273,33 @@ def test_gpu_check_sets_tracked_memory_beside_the_allocators():
     assert check["step"] == 2 and check["states_bytes"] == 400
     assert check["peak_ratio"] == 0.8 and check["states_ratio"] == 0.8
     assert "no metered step" in allocator_check(history[:1])["error"]
+
+
+def test_gpu_check_fails_on_a_meter_that_times_launches():
+    """A compute time far below the synchronized wall time (GPU work timed when it was
+    queued) fails the check, as a failed run, join or loss disagreement does."""
+    import importlib
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        gpu_check = importlib.import_module("gpu_check")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    good = {
+        "runs": [{"strategy": "single"}],
+        "join": {"ok": True},
+        "losses": {"ok": True},
+        "meter": {"timed_at_launch": False},
+    }
+    assert not gpu_check.failed(good)
+    assert gpu_check.failed({**good, "meter": {"timed_at_launch": True}})
+    assert gpu_check.failed({**good, "losses": {"ok": False}})
+    assert gpu_check.failed({**good, "runs": [{"strategy": "tp", "error": "boom"}]})
+    assert gpu_check.losses_agree(
+        [{"strategy": "single", "losses": [2.0, 1.0]}, {"strategy": "ddp", "losses": [2.0, 1.2]}],
+        "fp32",
+    ) == {
+        "max_abs_diff": {"single": 0.0, "ddp": pytest.approx(0.2)},
+        "tolerance": 1e-4,
+        "ok": False,
+    }

@@ -353,6 +353,10 @@ class CommMeter(TorchDispatchMode):
         """Seconds with at least one op of this rank in flight."""
         return union_s(self._intervals())
 
+    def compute_s(self) -> float:
+        """Seconds with a compute op (any other op that passed the dispatcher) running."""
+        return union_s(self._compute)
+
     def exposed_comm_s(self) -> float:
         """Seconds with an op in flight and no compute op running on this rank."""
         return uncovered_s(self._intervals(), self._compute)
