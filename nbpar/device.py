@@ -141,11 +141,35 @@ def bind(local_rank: int, backend: str) -> str:
 
     if backend != "nccl":
         return "cpu"
-    n = torch.cuda.device_count()
-    if local_rank >= n:
-        raise RuntimeError(f"engine with local rank {local_rank} has no GPU: this host has {n}")
-    torch.cuda.set_device(local_rank)
-    return f"cuda:{local_rank}"
+    index = gpu_index(local_rank, torch.cuda.device_count(), os.environ)
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
+
+
+def gpu_index(local_rank: int, visible: int, env) -> int:
+    """The GPU an engine of ``local_rank`` takes among the ``visible`` ones: its local
+    rank; or the one GPU a scheduler bound to this task (Slurm's ``--gpus-per-task=1``
+    leaves each task one device in ``CUDA_VISIBLE_DEVICES``, so every local rank sees
+    device 0)."""
+    if local_rank < visible:
+        return local_rank
+    bound = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if visible == 1 and len(bound) == 1:
+        return 0
+    raise RuntimeError(
+        f"engine with local rank {local_rank} has no GPU: this host shows {visible}"
+        + (f" (CUDA_VISIBLE_DEVICES={','.join(bound)})" if bound else "")
+    )
+
+
+def total_memory(backend: str) -> int | None:
+    """Bytes of memory of this host's first GPU for a pool on ``backend`` (None on a
+    CPU pool, or where this process sees no GPU: the engines' hosts may differ)."""
+    import torch
+
+    if backend != "nccl" or not torch.cuda.is_available() or torch.cuda.device_count() < 1:
+        return None
+    return torch.cuda.get_device_properties(0).total_memory
 
 
 def current_device(backend: str):

@@ -81,31 +81,56 @@ def check_plan(cfg, model, world: int) -> None:
             )
 
 
-def check_fits(cfg, n_params: int, world: int, machine_bytes: int | None = None) -> None:
-    """Refuse a model whose estimated model states exceed this machine's memory (all
-    of a local pool's ranks share it)."""
+def check_fits(
+    cfg,
+    n_params: int,
+    world: int,
+    machine_bytes: int | None = None,
+    *,
+    pg_backend: str = "gloo",
+    device_bytes: int | None = None,
+) -> None:
+    """Refuse a model whose estimated model states exceed the memory that holds them.
+    On a CPU pool every rank's states share this machine's memory. On a GPU pool
+    (``pg_backend`` "nccl") each rank's device states must fit one GPU
+    (``device_bytes``, this host's first GPU by default; not checked where this process
+    sees none), and what is offloaded to the host, all ranks together, this machine."""
     import psutil
 
+    from nbpar import device
     from nbpar.estimate import estimate_config, format_bytes
 
     est = estimate_config(cfg, world, n_params)
-    need = est.per_rank_bytes["total"] * world + est.per_rank_bytes.get("host", 0) * world
-    have = machine_bytes if machine_bytes is not None else psutil.virtual_memory().total
-    if need > have:
-        raise ValueError(
-            f"model {display_name(cfg.model)} ({n_params / 1e6:.1f}M parameters) "
-            f"needs about {format_bytes(need)} for parameters, gradients and "
-            f"optimizer state over {world} rank(s) with {cfg.strategy}, more than "
-            f"this machine's {format_bytes(have)}"
+    on_device, host = est.per_rank_bytes["total"], est.per_rank_bytes.get("host", 0)
+
+    def refuse(need: int, where: str, than: str) -> ValueError:
+        return ValueError(
+            f"model {display_name(cfg.model)} ({n_params / 1e6:.1f}M parameters) needs "
+            f"about {format_bytes(need)} for parameters, gradients and optimizer state "
+            f"{where} with {cfg.strategy}, more than {than}"
         )
 
+    have = machine_bytes if machine_bytes is not None else psutil.virtual_memory().total
+    machine = f"this machine's {format_bytes(have)}"
+    if pg_backend != "nccl":
+        if (on_device + host) * world > have:
+            raise refuse((on_device + host) * world, f"over {world} rank(s)", machine)
+        return
+    gpu = device_bytes if device_bytes is not None else device.total_memory(pg_backend)
+    if gpu is not None and on_device > gpu:
+        raise refuse(on_device, "per GPU", f"one GPU's {format_bytes(gpu)}")
+    if host * world > have:  # what is offloaded lives in the host's memory
+        raise refuse(host * world, f"offloaded to the host by {world} rank(s)", machine)
 
-def check_model(cfg, world: int) -> None:
-    """All of the above for a validated ``cfg`` on ``world`` ranks."""
+
+def check_model(cfg, world: int, pg_backend: str = "gloo") -> None:
+    """All of the above for a validated ``cfg`` on ``world`` ranks of a pool on
+    ``pg_backend``."""
     with torch.device("meta"):  # structure and size without allocating the weights
         shell = build_model(cfg)
     check_plan(cfg, shell, world)
-    check_fits(cfg, sum(p.numel() for p in shell.parameters()), world)
+    n_params = sum(p.numel() for p in shell.parameters())
+    check_fits(cfg, n_params, world, pg_backend=pg_backend)
     dataset = build_dataset(cfg)
     try:  # shapes propagate on meta tensors: a 100M-parameter model costs nothing here
         first_batch(cfg, shell, _OnMeta(dataset))

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -26,7 +27,9 @@ def one_gpu_machine(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(device, "accelerator_count", lambda: 1)
-    assert device.default_backend() == "nccl"
+    gpu = types.SimpleNamespace(total_memory=80 * 10**9)  # an 80 GB GPU
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: gpu)
+    assert device.default_backend() == "nccl" and device.total_memory("nccl") == gpu.total_memory
 
 
 @pytest.fixture
@@ -273,3 +276,15 @@ def test_a_deepspeed_stage0_checkpoint_consolidates_on_a_cpu(tmp_path, monkeypat
     full = checkpoint._deepspeed_weights(str(tmp_path))
     assert full["w"].dtype == torch.float32
     torch.testing.assert_close(full["w"], weights["w"].float(), atol=0, rtol=0)
+
+
+def test_an_engine_takes_its_local_ranks_gpu_or_the_one_its_task_was_bound_to():
+    """8 engines on an 8-GPU host take GPUs 0-7 by local rank. Under Slurm with one GPU
+    bound per task (``--gpus-per-task=1``) each task sees one device, device 0, whatever
+    its local rank; a local rank with no GPU and no such binding is a clear error."""
+    assert [device.gpu_index(r, 8, {}) for r in range(8)] == list(range(8))
+    assert device.gpu_index(3, 1, {"CUDA_VISIBLE_DEVICES": "3"}) == 0
+    with pytest.raises(RuntimeError, match="local rank 1 has no GPU: this host shows 1"):
+        device.gpu_index(1, 1, {})  # two engines, one GPU, nothing bound: not silently shared
+    with pytest.raises(RuntimeError, match=r"shows 2 \(CUDA_VISIBLE_DEVICES=0,1\)"):
+        device.gpu_index(2, 2, {"CUDA_VISIBLE_DEVICES": "0,1"})

@@ -295,6 +295,12 @@ def test_gpu_check_fails_on_a_meter_that_times_launches():
     assert gpu_check.failed({**good, "meter": {"timed_at_launch": True}})
     assert gpu_check.failed({**good, "losses": {"ok": False}})
     assert gpu_check.failed({**good, "runs": [{"strategy": "tp", "error": "boom"}]})
+    assert not gpu_check.failed({**good, "runs": [{"strategy": "tp", "skipped": "fp16"}]})
+    args = gpu_check.parse_args(["--dry-run", "--precision", "fp16"])
+    assert gpu_check.measure("tp", args, 1, None) == {
+        "strategy": "tp",
+        "skipped": gpu_check.FP16_SKIPPED,
+    }
     assert gpu_check.losses_agree(
         [{"strategy": "single", "losses": [2.0, 1.0]}, {"strategy": "ddp", "losses": [2.0, 1.2]}],
         "fp32",

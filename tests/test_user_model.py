@@ -84,6 +84,26 @@ def test_a_model_larger_than_the_machine_is_refused():
         check_fits(cfg, 10**9, 2, machine_bytes=10**9)
 
 
+def test_on_a_gpu_pool_each_rank_must_fit_one_gpu_not_the_hosts_memory():
+    """On GPUs a rank's states live in its device: 1e9 parameters under DDP (16 GB a
+    rank) fit a host with 2 TB but not an 8 GB GPU; ZeRO-3 over 8 ranks fits that GPU;
+    what CPU offload puts on the host is checked against the host, all ranks together."""
+    big = dict(machine_bytes=2 * 10**12, pg_backend="nccl")
+    ddp = nbpar.TrainConfig(**USER, strategy="ddp").validate(8, pg_backend="gloo")
+    check_fits(ddp, 10**9, 8, machine_bytes=2 * 10**12)  # a CPU pool: the host holds it
+    with pytest.raises(ValueError, match=r"per GPU .* more than one GPU's 8.0 GB"):
+        check_fits(ddp, 10**9, 8, **big, device_bytes=8 * 10**9)
+    check_fits(ddp, 10**9, 8, **big, device_bytes=80 * 10**9)
+    check_fits(ddp, 10**9, 8, **big, device_bytes=None)  # no GPU seen here: not checked
+    zero3 = nbpar.TrainConfig(**USER, strategy="zero3").validate(8, pg_backend="gloo")
+    check_fits(zero3, 10**9, 8, **big, device_bytes=8 * 10**9)
+    offload = nbpar.TrainConfig(
+        **USER, strategy="zero3", backend="deepspeed", offload="optimizer"
+    ).validate(8, pg_backend="gloo")
+    with pytest.raises(ValueError, match=r"offloaded to the host by 8 rank\(s\)"):
+        check_fits(offload, 10**9, 8, machine_bytes=10**9, pg_backend="nccl", device_bytes=None)
+
+
 def test_pool_train_refuses_before_the_engines_start(pool):
     with pytest.raises(ValueError, match="does not fit model"):
         pool.train(nbpar.TrainConfig(**{**USER, "dataset": M + "wrong_shape_data"}))

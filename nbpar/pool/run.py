@@ -258,12 +258,13 @@ def checked_config(cfg, world: int, pg_backend: str | None = None):
     host's default), checked once before any engine works: `TrainConfig.validate`, then
     the model and its first batch built and run here (`nbpar.probe.check_model`), so a
     bad factory or batch is one line, not a hang."""
+    from nbpar import device
     from nbpar.checks import about
     from nbpar.probe import check_model
 
     checked = cfg.validate(world, pg_backend=pg_backend)
     with about("model"):
-        check_model(checked, world)
+        check_model(checked, world, pg_backend or device.default_backend())
     return checked
 
 

@@ -142,8 +142,9 @@ def join(
         MASTER_ADDR=addr,
         MASTER_PORT=str(port),
     )
-    if backend == "gloo" and "OMP_NUM_THREADS" not in env:
-        # engines on one host share its cores: don't oversubscribe them
+    if "OMP_NUM_THREADS" not in env:
+        # engines on one host share its cores (on GPUs too: data loading and CPU-side
+        # ops run there): don't oversubscribe them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     dist.init_process_group(
         device.process_group_backend(backend),  # nccl pools: gloo too, for CPU tensors
