@@ -117,6 +117,39 @@ def test_launcher_options_reach_ipyparallel():
     assert es.get_env()["NCCL_IB_DISABLE"] == "1"
 
 
+def _slurm_script(cfg, backend: str) -> str:
+    import ipyparallel as ipp
+
+    cluster = ipp.Cluster(n=4, engines="slurm", config=cfg, log_level=40)
+    launchers.configure(cluster, "slurm", 4, {}, backend)
+    es = cluster.engine_launcher_class(
+        parent=cluster, profile_dir=str(ROOT / ".tmp"), cluster_id="g", n=4
+    )
+    es.n = 4
+    es.write_batch_script(4)
+    script = pathlib.Path(es.batch_file).read_text()
+    os.unlink(es.batch_file)
+    return script
+
+
+def test_a_gpu_pool_on_slurm_asks_for_one_gpu_per_engine_task():
+    """ipyparallel's Slurm script asks for no GPU; an nccl pool's asks for one per task
+    (each task then sees its GPU as device 0), a gloo pool's for none, and a batch
+    script of the user's own is kept as written."""
+    from traitlets.config import Config
+
+    gpu = _slurm_script(Config(), "nccl")
+    assert "#SBATCH --gpus-per-task=1" in gpu and "#SBATCH --ntasks=4" in gpu
+    assert gpu.startswith("#!/bin/sh\n") and f"{sys.executable} -m nbpar.pool.engine" in gpu
+    assert "gpus" not in _slurm_script(Config(), "gloo")
+    cfg = Config()
+    cfg.SlurmEngineSetLauncher.batch_template = (
+        "#!/bin/sh\n#SBATCH --gres=gpu:4\nsrun {program_and_args}\n"
+    )
+    theirs = _slurm_script(cfg, "nccl")
+    assert "--gres=gpu:4" in theirs and "gpus-per-task" not in theirs
+
+
 def test_mpi_launch_settings_are_configurable():
     import ipyparallel as ipp
 

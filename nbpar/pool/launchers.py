@@ -82,14 +82,16 @@ def _is_open_mpi(mpiexec: str) -> bool:
     return "Open MPI" in out or "OpenRTE" in out
 
 
-def configure(cluster, launcher: str, n: int, env: dict) -> None:
+def configure(cluster, launcher: str, n: int, env: dict, backend: str = "gloo") -> None:
     """Point ``cluster``'s engine launcher at nbpar's engine and fit mpiexec to a pool.
 
     ``env`` goes to every engine process. For ``launcher="mpi"``: as root, the
     Open MPI root variables; ``--bind-to none`` leaves thread placement to torch
     and more engines than cores get ``--oversubscribe`` (a CPU pool shares cores
     on purpose). mpiexec settings in the user's ``config=`` win. Engine ids are
-    the MPI ranks, so engine order is rank order.
+    the MPI ranks, so engine order is rank order. For ``launcher="slurm"`` on
+    ``backend="nccl"``: each engine task asks Slurm for one GPU (ipyparallel's
+    script asks for none), unless ``config=`` brings its own batch script.
     """
     cfg = cluster.config
     cfg.EngineLauncher.engine_cmd = engine_cmd()
@@ -110,5 +112,20 @@ def configure(cluster, launcher: str, n: int, env: dict) -> None:
             if n > (os.cpu_count() or 1):
                 args.append("--oversubscribe")
             cfg.MPIEngineSetLauncher.mpi_args = args
+    if launcher.lower() == "slurm" and backend == "nccl":
+        mine = cfg.SlurmEngineSetLauncher if "SlurmEngineSetLauncher" in cfg else {}
+        if "batch_template" not in mine and "batch_template_file" not in mine:
+            cfg.SlurmEngineSetLauncher.batch_template = slurm_gpu_template()
     if env:
         cfg.EngineLauncher.environment = {**cfg.EngineLauncher.get("environment", {}), **env}
+
+
+def slurm_gpu_template() -> str:
+    """ipyparallel's Slurm engine script with one GPU per task (``--gpus-per-task=1``):
+    every engine is a task of one job, and `nbpar.device.gpu_index` finds its GPU."""
+    from ipyparallel.cluster.launcher import SlurmEngineSetLauncher
+
+    # a script of one's own gets none of the lines ipyparallel adds to its default
+    first, rest = SlurmEngineSetLauncher.default_template.default_value.split("\n", 1)
+    ours = ("--ntasks={n}", "--gpus-per-task=1", "--output={output_file}")
+    return "\n".join([first, *(f"#SBATCH {line}" for line in ours), rest])

@@ -96,7 +96,7 @@ class Pool:
         progress = StartProgress()  # what it is doing, in the notebook, for these seconds
         try:
             self.cluster, self.client, self._engine_ids, self._sets = startup.start_cluster(
-                n, launcher, ip, start_timeout, env, say=progress.say, **cluster_kwargs
+                n, launcher, ip, start_timeout, env, progress.say, backend, **cluster_kwargs
             )
             progress.say(f"{n}/{n} engines registered; joining the process group ({backend})")
             self._rendezvous()

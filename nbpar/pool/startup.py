@@ -43,7 +43,14 @@ def check_port(port, ip: str) -> None:
 
 
 def start_cluster(
-    n: int, launcher: str, ip: str, start_timeout: float, env: dict, say=None, **kwargs
+    n: int,
+    launcher: str,
+    ip: str,
+    start_timeout: float,
+    env: dict,
+    say=None,
+    backend: str = "gloo",
+    **kwargs,
 ):
     """Start a controller and ``n`` engines; (cluster, client, engine ids, EngineSets)
     once all ``n`` registered. ``say(text)`` hears each stage and each engine that
@@ -66,7 +73,7 @@ def start_cluster(
     options.update(kwargs)
     cluster, client = ipp.Cluster(**options), None
     try:
-        launchers.configure(cluster, launcher, n, env)
+        launchers.configure(cluster, launcher, n, env, backend)
         say(f"starting a controller and {n} engine(s) ({launcher})")
         cluster.start_cluster_sync()
         if cluster.cluster_file and os.path.exists(cluster.cluster_file):
