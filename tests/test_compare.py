@@ -262,3 +262,21 @@ def test_the_figure_legend_names_every_mark_and_covers_no_bar():
     colours = {tuple(p.get_facecolor()) for p in comm.patches}
     assert len(colours) == 2 == sum(label.startswith(("exposed", "waiting")) for label in labels)
     assert "blocked, a normal step" in labels and "20% exposed" in labels
+
+
+def test_a_run_whose_timings_cannot_be_trusted_says_so_beside_the_table():
+    """The run's own verdict (`timing_reliable`, `timing_note`) is a warning of the
+    comparison, in the text and above the HTML tables; a reliable run adds none."""
+    ddp, zero = (r.result() for r in _runs())
+    busy = "timings unreliable: other processes took 45% of the 2 cores; memory and bytes are exact"
+    cmp = compare(
+        [
+            {**ddp, "timing_reliable": True, "timing_note": "timings reliable here: ..."},
+            {**zero, "timing_reliable": False, "timing_note": busy},
+        ]
+    )
+    assert cmp.warnings == [f"zero3/deepspeed: {busy}"]
+    assert repr(cmp).splitlines()[-1] == f"warning: zero3/deepspeed: {busy}"
+    page = cmp._repr_html_()
+    assert page.index("other processes took 45%") < page.index("<table>")
+    assert compare([ddp, zero]).warnings == []  # results without a verdict: nothing said

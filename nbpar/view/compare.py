@@ -116,12 +116,16 @@ def summarize(obj, label: str | None = None) -> dict:
         comm_wait_fraction=res.get("comm_wait_fraction"),
         bubble_fraction=res.get("bubble_fraction"),
         final_loss=res["losses"][-1] if res["losses"] else None,
+        # whether this run's time figures can be trusted where it ran (`Run.timing_verdict`)
+        timing_reliable=res.get("timing_reliable"),
+        timing_note=res.get("timing_note"),
     )
     return row
 
 
 def differences(rows: list[dict]) -> list[str]:
-    """Warnings for runs that are not like for like: other length, batch or precision."""
+    """Warnings for runs that are not like for like (other length, batch or precision) or
+    whose timings cannot be trusted where they ran."""
     out = []
     for key, what, unit, why in (
         ("steps", "length", " steps", "final losses and averages cover different spans"),
@@ -132,6 +136,10 @@ def differences(rows: list[dict]) -> list[str]:
         if len(values) > 1:
             each = ", ".join(f"{row['label']} {_fmt(key, row[key])}{unit}" for row in rows)
             out.append(f"runs differ in {what} ({each}): {why}")
+    # a run whose machine could not carry its timings: its step time and shares say little
+    out += [
+        f"{row['label']}: {row['timing_note']}" for row in rows if row["timing_reliable"] is False
+    ]
     return out
 
 
