@@ -15,7 +15,7 @@ import torch
 from nbpar.measure.clocks import DeviceClock, HostClock, clock_for_device, step_clock
 from nbpar.measure.comm import CommMeter
 from nbpar.measure.metrics import CommTimer
-from nbpar.parallel.pipeline import read_spans
+from nbpar.parallel.pipeline_timeline import read_spans
 
 WORK_S = 0.06  # how long the stand-in collective runs after its Future completed
 

@@ -297,14 +297,28 @@ def _train_deepspeed(rank, world):
     )
     with pytest.raises(ValueError, match="micro-batches"):
         runner.train_step(batches(0)[:2])
-    return [runner.train_step(batches(s)).item() for s in range(STEPS)]
+    losses = [runner.train_step(batches(s)).item() for s in range(STEPS)]
+    return losses, runner.timeline(), runner.bubble_fraction()
 
 
 @pytest.mark.timeout(240)
 def test_deepspeed_pipeline_pp2_matches_single_process():
+    """DeepSpeed's 1F1B equals the single-process reference, and its passes are timed
+    as torch's pipeline's are: every (stage, micro-batch, pass) once in the typical
+    step, in causal order, gathered on both ranks, idling no less than 1F1B's theory."""
     ref = torch.tensor(single_losses())
-    for losses in run_distributed(_train_deepspeed, 2, timeout=230):
+    results = run_distributed(_train_deepspeed, 2, timeout=230)
+    for losses, _, _ in results:
         torch.testing.assert_close(torch.tensor(losses), ref, atol=1e-5, rtol=0)
+    (_, events, bubble), (_, other, _) = results
+    assert events and other == events
+    span = {(e["stage"], e["microbatch"], e["kind"]): e for e in events}
+    assert sorted(span) == sorted((st, mb, k) for st in (0, 1) for mb in range(ACCUM) for k in "FB")
+    assert len(events) == len(span) and {e["rank"] for e in events if e["stage"] == 1} == {1}
+    for mb in range(ACCUM):
+        assert span[(1, mb, "F")]["start"] >= span[(0, mb, "F")]["end"]
+        assert span[(0, mb, "B")]["start"] >= span[(1, mb, "B")]["end"]
+    assert theory_bubble(2, ACCUM) - 0.02 <= bubble < 1.0
 
 
 def test_deepspeed_pipeline_rejects_zero2_and_3():

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import time
 
 import torch
 import torch.distributed as dist
@@ -23,15 +22,14 @@ from torch.distributed.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from nbpar.measure import timeline as _timeline
 from nbpar.measure.clocks import HostClock, clock_for_device
 from nbpar.model.plan import plan_of, require
 from nbpar.strategies import check_pipeline_schedule
 
 from .common import autocast_dtype as precision_dtype
 from .common import make_optimizer
+from .pipeline_timeline import PipelineSpans, SpanReports, span
 from .runner import StepRunner
 from .saved_activations import SavedActivations
 
@@ -110,14 +108,13 @@ class TimedStage(PipelineStage):
         self,
         *args,
         events: list,
-        clock: list,
         autocast_dtype=None,
         activations: SavedActivations | None = None,
         marks: HostClock | None = None,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
-        self._events, self._clock = events, clock
+        self._events = events
         # the spans' clock: the host's on a CPU, the device stream's on a GPU (there a
         # chunk's call returns once its kernels are queued); read after the step
         self.marks = marks if marks is not None else HostClock()
@@ -126,11 +123,7 @@ class TimedStage(PipelineStage):
 
     def _record(self, mb: int, kind: str, start) -> None:
         """A span from the mark ``start`` to now, as marks (`read_spans` reads them)."""
-        self._events.append(
-            dict(
-                stage=self.stage_index, microbatch=mb, kind=kind, start=start, end=self.marks.mark()
-            )
-        )
+        self._events.append(span(self.stage_index, mb, kind, start, self.marks.mark()))
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
         start = self.marks.mark()
@@ -163,7 +156,7 @@ def default_loss(cfg):
     return loss_fn(cfg)
 
 
-class PipelineRunner(StepRunner):
+class PipelineRunner(SpanReports, StepRunner):
     """Runs one schedule step per optimizer step on this rank's stage(s).
 
     ``train_step`` returns the mean micro-batch loss, broadcast from the last
@@ -199,10 +192,8 @@ class PipelineRunner(StepRunner):
         self.pp_size = dist.get_world_size(pp_group)
         self.pp_rank = dist.get_rank(pp_group)
         self.dp_group = dp_group
-        self._events, self._clock = events, clock
-        self.timelines = _timeline.StepTimelines()
+        self.spans = PipelineSpans(pp_group, events, clock, stages[0].marks)
         self._last_rank = dist.get_global_rank(pp_group, self.pp_size - 1)
-        self._clock[0] = _timeline.clock_offset(pp_group)
         self.activations = stages[0].activations
 
     def peak_activation_bytes(self) -> int:
@@ -229,14 +220,8 @@ class PipelineRunner(StepRunner):
         y = torch.cat([mb[1] for mb in micro_batches]).to(device)  # (m*b, s)
         first = any(s.is_first for s in self.stages)
         last = any(s.is_last for s in self.stages)
-        self._events.clear()
         self.activations.reset()
-        # a metered step runs every op through a Python dispatch mode (`CommMeter`)
-        metered = _get_current_dispatch_mode() is not None
-        dist.barrier(group=self.pp_group)
-        marks = self.stages[0].marks
-        marks.start()
-        t0 = time.perf_counter() - self._clock[0]
+        t0, metered = self.spans.begin()
         losses: list = []
         args = (x,) if first else ()
         self.schedule.step(*args, target=y if last else None, losses=losses if last else None)
@@ -250,54 +235,8 @@ class PipelineRunner(StepRunner):
             else torch.zeros((), dtype=torch.float32, device=x.device)
         )
         dist.broadcast(loss, src=self._last_rank, group=self.pp_group)
-        marks.settle()
-        read_spans(self._events, marks, self._clock[0])
-        self._gather_timeline(t0, metered)
+        self.spans.end(t0, metered)
         return loss
-
-    def _gather_timeline(self, t0: float, metered: bool) -> None:
-        """Add every pp rank's spans, from pp rank 0's step start, to ``timelines``."""
-        gathered: list = [None] * self.pp_size
-        dist.all_gather_object(gathered, (t0, self._events, metered), group=self.pp_group)
-        start = gathered[0][0]
-        events = sorted(
-            (
-                dict(e, rank=r, start=e["start"] - start, end=e["end"] - start)
-                for r, (_, events, _) in enumerate(gathered)
-                for e in events
-            ),
-            key=lambda e: (e["rank"], e["start"]),
-        )
-        self.timelines.add(events, metered=any(m for _, _, m in gathered))
-
-    def timeline(self) -> list[dict]:
-        """Events of the typical step on every pp rank: stage, rank, microbatch, kind,
-        start, end, stall (`timeline.mark_stalls`); which step: ``timelines.about()``."""
-        return self.timelines.typical()
-
-    def _bubble(self, measure, **kwargs) -> float | None:
-        events = self.timelines.typical()  # empty: no step yet, or only metered ones
-        return measure(events, self.pp_size, **kwargs) if events else None
-
-    def bubble_fraction(self) -> float | None:
-        """Measured idle share of the pp ranks over the typical step, stalls left out."""
-        return self._bubble(_timeline.bubble_fraction)
-
-    def bubble_fraction_with_stalls(self) -> float | None:
-        """The same step's measured idle share with its stalls as they ran."""
-        return self._bubble(_timeline.bubble_fraction, with_stalls=True)
-
-    def schedule_bubble_fraction(self) -> float | None:
-        """The part of it the schedule forces with these stage times (no gaps, no stalls)."""
-        return self._bubble(_timeline.schedule_bubble)
-
-
-def read_spans(events: list[dict], marks: HostClock, offset: float) -> None:
-    """Each span's marks as seconds on pp rank 0's clock (``offset``: this rank's clock
-    minus rank 0's), in place, once the step's work is done."""
-    for e in events:
-        e["start"] = marks.seconds(e["start"]) - offset
-        e["end"] = marks.seconds(e["end"]) - offset
 
 
 def build_stages(chunks, pp_rank, pp_size, virtual, pp_group, device, autocast_dtype):
@@ -312,7 +251,6 @@ def build_stages(chunks, pp_rank, pp_size, virtual, pp_group, device, autocast_d
             device,
             group=pp_group,
             events=events,
-            clock=clock,
             autocast_dtype=autocast_dtype,
             activations=activations,
             marks=marks,
