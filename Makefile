@@ -85,7 +85,7 @@ bench: setup
 	$(PY) -m nbpar bench launch --engines 2 --json
 
 # Each benchmark writes benchmarks/results/<name>.json (date, CPU, cores, torch, load,
-# median and spread over repeats); bench-report rewrites README.md's performance tables
+# median and spread over repeats); bench-report rewrites the tables of docs/performance.md
 # from them (tests/test_bench_results.py fails when they disagree). One benchmark:
 # make bench-results BENCHMARKS=ddp_vs_torchrun
 BENCHMARKS ?= pool_startup ddp_vs_torchrun dashboard_overhead meter_cost pipeline_bubble \

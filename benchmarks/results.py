@@ -16,7 +16,7 @@ writes ``results/<name>.json``:
 A benchmark starts on a quiet machine or not at all: `Recorder` waits (up to
 `QUIET_WAIT_S`) for the 1-minute load average to fall to `QUIET_LOAD` per core, and
 the benchmark refuses to start on a busier one (``NBPAR_BENCH_ALLOW_BUSY=1`` runs it and
-writes its file marked ``"load_ok": false``, which the README shows beside it); a
+writes its file marked ``"load_ok": false``, which docs/performance.md shows beside it); a
 figure measured while other work took the cores measures that work, not nbpar.
 A results file knows its code: `stale` lists the files under its ``measures`` paths that
 changed after its ``commit`` (tests/test_bench_results.py fails on any), so a figure
@@ -24,7 +24,7 @@ cannot outlive the code it describes.
 
 A figure is the median over its repeats and its spread (min and max, n values);
 a target is written ``"<= 1.05"`` (or ``<``, ``>=``, ``>``) and judged on the median.
-`benchmarks/report.py` turns the files into the README's tables.
+`benchmarks/report.py` turns the files into the tables of docs/performance.md.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ REQUIRED = (
     "rows",
 )
 #: What a file written since results knew their code carries besides `REQUIRED`; older
-#: files lack them, are stale by `stale`, and the README says so beside their rows.
+#: files lack them, are stale by `stale`, and docs/performance.md says so beside their rows.
 KNOWS_ITS_CODE = ("load_ok", "commit", "measures")
 _OPS = {"<=": operator.le, "<": operator.lt, ">=": operator.ge, ">": operator.gt}
 FIGURE_KEYS = ("label", "unit", "median", "min", "max", "n", "values", "target", "meets")

@@ -186,9 +186,9 @@ def test_engine_side_never_imports_the_kernel_side():
     assert not {m: t for m, t in wrong.items() if t}
 
 
-# The layers, bottom up (README "Layout"): a module may import its own layer and the
-# layers below it, never one above, imports inside functions included. Within a layer,
-# `test_no_import_cycles_in_nbpar` keeps the modules acyclic.
+# The layers, bottom up (docs/architecture.md, "Layout"): a module may import its own layer
+# and the layers below it, never one above, imports inside functions included. Within a
+# layer, `test_no_import_cycles_in_nbpar` keeps the modules acyclic.
 LAYERS = (
     ("base", ("nbpar.device", "nbpar.errors", "nbpar.checks", "nbpar.files", "nbpar.hardware")),
     ("model", ("nbpar.model",)),
@@ -276,8 +276,8 @@ def test_the_layer_check_catches_an_upward_import(tmp_path):
     assert upward_imports(import_graph(pkg, reexport_only={"nbpar"})) == []
 
 
-def test_the_readme_layout_draws_every_layer_and_names_every_module():
-    text = (ROOT / "README.md").read_text()
+def test_the_documented_layout_draws_every_layer_and_names_every_module():
+    text = (ROOT / "docs" / "architecture.md").read_text()
     layout = text[text.index("## Layout") :]
     diagram = layout[: layout.index("What each may import")]
     drawn = [line.split()[0] for line in diagram.splitlines() if line[:1] == " " and line.strip()]

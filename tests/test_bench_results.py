@@ -1,8 +1,9 @@
-"""The README's performance tables are what benchmarks/results/*.json say (no pools).
+"""The performance tables of docs/performance.md are what benchmarks/results/*.json say
+(no pools).
 
 Every results file carries its date, CPU, cores, torch version, load, repeats and,
 per figure, a median with its spread; `benchmarks/report.py` writes the tables
-between the README's bench markers, and these tests fail when the two disagree.
+between the page's bench markers, and these tests fail when the two disagree.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
+PAGE = ROOT / "docs" / "performance.md"  # where the tables live
 sys.path.insert(0, str(BENCH))
 report = importlib.import_module("report")
 results = importlib.import_module("results")
@@ -24,15 +26,15 @@ results = importlib.import_module("results")
 HELPERS = {"results", "report", "plain_ddp"}  # not benchmarks of their own
 SIDE_BY_SIDE = ("ddp_vs_torchrun", "dashboard_overhead")
 #: Results files written before results knew their code, not re-measured yet (each row
-#: says so in the README); re-running the benchmark takes it off this list.
+#: says so on the page); re-running the benchmark takes it off this list.
 NOT_RE_MEASURED = frozenset({"chaos", "ddp_vs_torchrun"})
 
 
 @pytest.fixture
 def copied(tmp_path):
-    """README.md and results/ copied to tmp_path: (readme, results dir)."""
-    readme = tmp_path / "README.md"
-    shutil.copy(ROOT / "README.md", readme)
+    """docs/performance.md and results/ copied to tmp_path: (page, results dir)."""
+    readme = tmp_path / "performance.md"
+    shutil.copy(PAGE, readme)
     root = shutil.copytree(BENCH / "results", tmp_path / "results")
     return readme, root
 
@@ -52,7 +54,7 @@ def test_every_results_file_is_complete():
         assert data["cores"] >= 1 and data["cpu_model"] and data["torch"]
 
 
-def test_every_benchmark_is_in_the_readme_or_said_not_measured():
+def test_every_benchmark_is_on_the_page_or_said_not_measured():
     scripts = {p.stem for p in BENCH.glob("*.py")} - HELPERS
     listed = {n for names in report.SECTIONS.values() for n in names}
     assert scripts == listed
@@ -61,8 +63,15 @@ def test_every_benchmark_is_in_the_readme_or_said_not_measured():
     assert listed - set(report.NOT_MEASURED) <= have, "benchmarks without a results file"
 
 
-def test_readme_tables_are_generated_from_the_results():
+def test_the_tables_are_generated_from_the_results():
+    assert report.README == PAGE  # what `python benchmarks/report.py` rewrites
     assert report.check() == [], "run `make bench-report`"
+
+
+def test_the_readme_links_the_page_and_holds_no_tables():
+    readme = (ROOT / "README.md").read_text()
+    assert "docs/performance.md" in readme
+    assert not report.MARKER.search(readme) and not report.FIG.search(readme)
 
 
 @pytest.mark.parametrize("name", SIDE_BY_SIDE)
@@ -168,7 +177,7 @@ def test_a_target_inside_the_spread_is_undecided():
 
 
 def test_generated_rows_have_six_cells():
-    text = (ROOT / "README.md").read_text()
+    text = PAGE.read_text()
     rows = [
         line
         for line in text.splitlines()
@@ -200,14 +209,14 @@ def test_every_results_file_describes_the_code_it_measures():
         pytest.skip("a shallow clone has no history to compare the commits with")
     for name, data in results.read_all().items():
         if name in NOT_RE_MEASURED and "measures" not in data:
-            continue  # marked in the README as measured on older code
+            continue  # marked on the page as measured on older code
         assert results.stale(data) == [], f"{name} is stale: re-run benchmarks/{name}.py"
     # the list only shrinks: a file re-measured since must leave it
     legacy = {n for n, d in results.read_all().items() if "measures" not in d}
     assert legacy == set(NOT_RE_MEASURED), legacy ^ set(NOT_RE_MEASURED)
-    readme = (ROOT / "README.md").read_text()
+    page = PAGE.read_text()
     for name in NOT_RE_MEASURED:
-        assert f"| `{name}.py` |" in readme and "older code: not re-measured" in readme
+        assert f"| `{name}.py` |" in page and "older code: not re-measured" in page
 
 
 @pytest.mark.spawn  # builds a small git repository
