@@ -288,3 +288,22 @@ def test_an_engine_takes_its_local_ranks_gpu_or_the_one_its_task_was_bound_to():
         device.gpu_index(1, 1, {})  # two engines, one GPU, nothing bound: not silently shared
     with pytest.raises(RuntimeError, match=r"shows 2 \(CUDA_VISIBLE_DEVICES=0,1\)"):
         device.gpu_index(2, 2, {"CUDA_VISIBLE_DEVICES": "0,1"})
+
+
+def test_tensor_parallel_steps_where_the_optimizer_defaults_to_foreach(monkeypatch, gloo_group):
+    """On a GPU torch's Adam defaults to its foreach step, which cannot take DTensors and
+    plain tensors in one call (tp's sharded layers beside its replicated ones: the first
+    GPU run failed so). make_optimizer steps such a mix one parameter at a time; here the
+    GPU's default is forced on the CPU, and tp and hybrid train as the reference does."""
+    import nbpar.parallel.common as common
+    from nbpar.train.loop import run_training
+
+    spec = common.optimizer_spec
+    monkeypatch.setattr(
+        common, "optimizer_spec", lambda cfg: (spec(cfg)[0], {**spec(cfg)[1], "foreach": True})
+    )
+    base = dict(model="tiny_gpt", steps=3, micro_batch=4)
+    ref = run_training(TrainConfig(strategy="single", **base))["losses"]
+    for strategy, extra in (("tp", {}), ("hybrid", dict(dp=1, tp=1, pp=1))):
+        losses = run_training(TrainConfig(strategy=strategy, **base, **extra))["losses"]
+        assert losses == pytest.approx(ref, abs=1e-5), strategy

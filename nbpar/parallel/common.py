@@ -27,8 +27,17 @@ def optimizer_spec(cfg):
 
 
 def make_optimizer(params, cfg):
-    """The torch optimizer of ``cfg`` (see `optimizer_spec`), the same on every strategy."""
+    """The torch optimizer of ``cfg`` (see `optimizer_spec`), the same on every strategy.
+
+    Where the parameters mix DTensors and plain tensors (tensor parallel: the sharded
+    layers beside the replicated ones), the optimizer steps one parameter at a time: a
+    foreach step (torch's default for GPU tensors) cannot take both kinds in one call."""
     cls, kwargs = optimizer_spec(cfg)
+    from torch.distributed.tensor import DTensor
+
+    params = list(params)
+    if len({isinstance(p, DTensor) for p in params}) > 1:
+        kwargs = {**kwargs, "foreach": False}
     return cls(params, **kwargs)
 
 

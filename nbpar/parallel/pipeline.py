@@ -125,15 +125,25 @@ class TimedStage(PipelineStage):
         """A span from the mark ``start`` to now, as marks (`read_spans` reads them)."""
         self._events.append(span(self.stage_index, mb, kind, start, self.marks.mark()))
 
-    def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
-        start = self.marks.mark()
-        autocast = (
+    def _autocast(self):
+        return (
             contextlib.nullcontext()
             if self._autocast_dtype is None
             else torch.autocast(self.device.type, dtype=self._autocast_dtype)
         )
+
+    def _prepare_forward_infra(self, *args, **kwargs):
+        """The first step infers each stage's input and output shapes and dtypes with a
+        forward; it runs under the step's autocast too, or the inferred dtypes are fp32
+        where the step's are bf16 (a GPU's autocast casts a stage's output; torch then
+        refuses the step: "dtype mismatch: expected torch.float32 actual torch.bfloat16")."""
+        with self._autocast():
+            return super()._prepare_forward_infra(*args, **kwargs)
+
+    def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
+        start = self.marks.mark()
         with (
-            autocast,
+            self._autocast(),
             self.activations.forward(self.stage_index, fwd_chunk_id, self.submod.parameters()),
         ):
             out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
