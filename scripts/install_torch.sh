@@ -1,8 +1,10 @@
 #!/bin/sh
 # Install torch into the environment of the given python, unless it already has one.
 # GPU machines (an NVIDIA device or nvidia-smi present) get PyPI's default (CUDA) build;
-# CPU-only machines get the CPU build: pip takes it from a local wheel directory when
-# PIP_FIND_LINKS provides one, or from TORCH_INDEX_URL (PyTorch's CPU index) if set.
+# CPU-only machines get the CPU build only where one is named: from a local wheel
+# directory when PIP_FIND_LINKS provides one, or from TORCH_INDEX_URL (PyTorch's CPU
+# index, https://download.pytorch.org/whl/cpu) if set; with neither, pip installs PyPI's
+# default, which on Linux x86-64 is the CUDA build (several GB; it runs on the CPU too).
 # On a GPU machine a torch without CUDA (already there, or a CPU wheel pip found) is an
 # error: every run would silently train on the CPU. NBPAR_ALLOW_CPU_TORCH=1 accepts it.
 # NBPAR_NVIDIA_DEV names the device file looked for (default /dev/nvidia0).

@@ -73,3 +73,17 @@ def test_cli_train_engines_default_is_one_per_gpu_or_two(monkeypatch, n_gpus, fl
     monkeypatch.setattr(device, "accelerator_count", lambda: n_gpus)
     argv = ["train", "--strategy", "ddp", "--model", "tiny_gpt", "--steps", "1", *flags]
     assert train_config(build_parser().parse_args(argv))[1] == engines
+
+
+def test_a_cpu_torch_on_a_gpu_machine_is_said_when_the_pool_starts(monkeypatch, capsys, tmp_path):
+    """An NVIDIA device beside a torch built without CUDA: the pool runs on the CPU, and
+    says why in its one line at start (and in its repr), not silently."""
+    fake = tmp_path / "nvidia0"
+    fake.write_text("")
+    monkeypatch.setenv("NBPAR_NVIDIA_DEV", str(fake))
+    if device.cpu_torch_on_a_gpu_machine() is None:
+        pytest.fail("this torch has CUDA: the test needs a CPU build")
+    with nbpar.Pool(1) as pool:
+        out = capsys.readouterr().out
+        assert pool.backend == "gloo"
+        assert out.count("was built without CUDA") == 1 and "was built without CUDA" in repr(pool)

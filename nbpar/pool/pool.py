@@ -72,6 +72,9 @@ class Pool:
             startup.check_size(n)
         check_launcher(launcher)
         n, backend, self.note = device.pool_plan(n, backend, n_gpus, launcher == "local")
+        problem = device.cpu_torch_on_a_gpu_machine() if launcher == "local" else None
+        if problem:  # its GPU unseen, the pool would run on gloo without a word
+            self.note = f"{self.note}; {problem}" if self.note else problem
         n = startup.check_size(n)
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout must be positive seconds or None, got {timeout!r}")

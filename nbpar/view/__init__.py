@@ -4,6 +4,6 @@ client-side by `livechart` from the steps `live` reads), static matplotlib `pane
 `picker_runs`), `history` (step records grouped
 the way every figure reads them), `export` (TensorBoard, Prometheus, W&B) and `teaching`
 (the notebooks' figures). Reads what a run published; may import the layers below it
-(README "Layout"); nothing imports it at import time. Importing this package imports
+(docs/architecture.md, "Layout"); nothing imports it at import time. Importing this package imports
 nothing else.
 """
