@@ -93,9 +93,24 @@ def test_batch_launcher_outside_its_cluster_fails_before_starting(
     assert children() <= before
 
 
+def _slurm_script(cfg, backend: str = "gloo", n: int = 4, env=None) -> tuple[str, dict]:
+    """The engine batch script a Slurm pool of ``n`` would submit, and its engines' env."""
+    import ipyparallel as ipp
+
+    cluster = ipp.Cluster(n=n, engines="slurm", config=cfg, log_level=40)
+    launchers.configure(cluster, "slurm", n, env or {}, backend)
+    es = cluster.engine_launcher_class(
+        parent=cluster, profile_dir=str(ROOT / ".tmp"), cluster_id="t", n=n
+    )
+    es.n = n
+    es.write_batch_script(n)
+    script = pathlib.Path(es.batch_file).read_text()
+    os.unlink(es.batch_file)
+    return script, es.get_env()
+
+
 def test_launcher_options_reach_ipyparallel():
     """Slurm options in config= survive, and the batch script runs nbpar's engine."""
-    import ipyparallel as ipp
     from traitlets.config import Config
 
     cfg = Config()
@@ -103,33 +118,10 @@ def test_launcher_options_reach_ipyparallel():
     cfg.SlurmEngineSetLauncher.batch_template = (
         "#!/bin/sh\n#SBATCH --account={account}\n#SBATCH --ntasks={n}\nsrun {program_and_args}\n"
     )
-    cluster = ipp.Cluster(n=16, engines="slurm", config=cfg, log_level=40)
-    launchers.configure(cluster, "slurm", 16, {"NCCL_IB_DISABLE": "1"})
-    es = cluster.engine_launcher_class(
-        parent=cluster, profile_dir=str(ROOT / ".tmp"), cluster_id="t", n=16
-    )
-    es.n = 16
-    es.write_batch_script(16)
-    script = pathlib.Path(es.batch_file).read_text()
-    os.unlink(es.batch_file)
+    script, env = _slurm_script(cfg, n=16, env={"NCCL_IB_DISABLE": "1"})
     assert "--account=proj42" in script and "--ntasks=16" in script
     assert f"{sys.executable} -m nbpar.pool.engine" in script
-    assert es.get_env()["NCCL_IB_DISABLE"] == "1"
-
-
-def _slurm_script(cfg, backend: str) -> str:
-    import ipyparallel as ipp
-
-    cluster = ipp.Cluster(n=4, engines="slurm", config=cfg, log_level=40)
-    launchers.configure(cluster, "slurm", 4, {}, backend)
-    es = cluster.engine_launcher_class(
-        parent=cluster, profile_dir=str(ROOT / ".tmp"), cluster_id="g", n=4
-    )
-    es.n = 4
-    es.write_batch_script(4)
-    script = pathlib.Path(es.batch_file).read_text()
-    os.unlink(es.batch_file)
-    return script
+    assert env["NCCL_IB_DISABLE"] == "1"
 
 
 def test_a_gpu_pool_on_slurm_asks_for_one_gpu_per_engine_task():
@@ -138,15 +130,15 @@ def test_a_gpu_pool_on_slurm_asks_for_one_gpu_per_engine_task():
     script of the user's own is kept as written."""
     from traitlets.config import Config
 
-    gpu = _slurm_script(Config(), "nccl")
+    gpu, _ = _slurm_script(Config(), "nccl")
     assert "#SBATCH --gpus-per-task=1" in gpu and "#SBATCH --ntasks=4" in gpu
     assert gpu.startswith("#!/bin/sh\n") and f"{sys.executable} -m nbpar.pool.engine" in gpu
-    assert "gpus" not in _slurm_script(Config(), "gloo")
+    assert "gpus" not in _slurm_script(Config(), "gloo")[0]
     cfg = Config()
     cfg.SlurmEngineSetLauncher.batch_template = (
         "#!/bin/sh\n#SBATCH --gres=gpu:4\nsrun {program_and_args}\n"
     )
-    theirs = _slurm_script(cfg, "nccl")
+    theirs, _ = _slurm_script(cfg, "nccl")
     assert "--gres=gpu:4" in theirs and "gpus-per-task" not in theirs
 
 
