@@ -24,7 +24,7 @@ import time
 import torch.distributed as dist
 
 from nbpar.config import GPTConfig, TrainConfig
-from nbpar.train.ddp_script import batches, build, setup
+from nbpar.train.ddp_script import batches, build, exit_now, setup
 
 
 def train(args, dev, device_ids) -> tuple[list[float], list[float], float]:
@@ -92,6 +92,7 @@ def main():
             )
         )
     dist.destroy_process_group()
+    exit_now()  # torch 2.13's gloo can abort in the interpreter's teardown (ddp_script)
 
 
 if __name__ == "__main__":
