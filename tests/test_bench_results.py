@@ -27,7 +27,7 @@ HELPERS = {"results", "report", "plain_ddp"}  # not benchmarks of their own
 SIDE_BY_SIDE = ("ddp_vs_torchrun", "dashboard_overhead")
 #: Results files written before results knew their code, not re-measured yet (each row
 #: says so on the page); re-running the benchmark takes it off this list.
-NOT_RE_MEASURED = frozenset({"chaos", "ddp_vs_torchrun"})
+NOT_RE_MEASURED: frozenset = frozenset()
 
 
 @pytest.fixture
