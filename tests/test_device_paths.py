@@ -108,6 +108,7 @@ def test_deepspeed_stays_on_cpu_for_a_gloo_pool_on_a_gpu_machine(monkeypatch, on
     assert device.os.environ["DS_ACCELERATOR"] == "cpu"
 
 
+@pytest.mark.spawn  # DeepSpeed's first import probes the linker for libaio: it runs gcc
 def test_import_deepspeed_follows_the_groups_backend(monkeypatch, one_gpu_machine, gloo_group):
     from nbpar.parallel import deepspeed
 
@@ -259,6 +260,7 @@ def test_a_gpu_runs_checkpoint_keeps_its_device_random_state(tmp_path, monkeypat
     assert restored == []
 
 
+@pytest.mark.spawn  # imports DeepSpeed, whose first import runs gcc (the libaio probe)
 def test_a_deepspeed_stage0_checkpoint_consolidates_on_a_cpu(tmp_path, monkeypatch):
     """Its module state holds GPU tensors: loading it anywhere but to the CPU fails on
     a machine without a GPU, so the load must say map_location="cpu"."""
