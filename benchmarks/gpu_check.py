@@ -105,13 +105,6 @@ def flops_per_token(params: int, layers: int, seq_len: int, d_model: int) -> int
     return 6 * params + 12 * layers * seq_len * d_model
 
 
-def _init_world_of_one(backend: str) -> None:
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-
-
 def allocator_check(history: list[dict]) -> dict:
     """nbpar's tracked memory beside the CUDA caching allocator's, at the metered step.
 
@@ -310,7 +303,6 @@ def write(out: dict, path: Path) -> Path:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    import torch
 
     from nbpar import device
     from nbpar.config import GPTConfig, TrainConfig
@@ -334,14 +326,11 @@ def main(argv=None) -> dict:
     fpt = flops_per_token(params, args.layers, args.seq_len, args.d_model)
     found = detect()
     joined = join_check(backend)  # the strategies then run in the group it joined
-    _init_world_of_one(backend)
     runs = [measure(s.strip(), args, fpt, peak) for s in args.strategies.split(",") if s.strip()]
     meter = meter_check(backend, n=4096 if gpus else 256)
     from nbpar.pool import worker
 
-    worker.leave()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    worker.leave()  # the group and its store
     out = {
         "device": name,
         "detect": found,
