@@ -18,7 +18,8 @@ export PYTHONDONTWRITEBYTECODE := 1
 
 setup: $(VENV)/.done
 
-$(VENV)/.done: pyproject.toml scripts/install_torch.sh scripts/install_mpi.sh scripts/install_browser.sh
+$(VENV)/.done: pyproject.toml scripts/install_torch.sh scripts/install_mpi.sh scripts/install_browser.sh \
+		scripts/install_cluster.sh
 	@mkdir -p .tmp
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -26,6 +27,7 @@ $(VENV)/.done: pyproject.toml scripts/install_torch.sh scripts/install_mpi.sh sc
 	$(PY) -m pip install -q -e ".[test,lab,monitor,hf]"
 	$(PY) -m pip install -q --no-build-isolation "deepspeed==$(DEEPSPEED_VERSION)"
 	sh scripts/install_mpi.sh $(PY)
+	sh scripts/install_cluster.sh
 	sh scripts/install_browser.sh $(PY)
 	$(PY) -c "import torch, deepspeed, ipyparallel, nbpar; print('nbpar ready: torch', torch.__version__)"
 	@touch $@

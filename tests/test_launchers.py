@@ -93,12 +93,12 @@ def test_batch_launcher_outside_its_cluster_fails_before_starting(
     assert children() <= before
 
 
-def _slurm_script(cfg, backend: str = "gloo", n: int = 4, env=None) -> tuple[str, dict]:
+def _slurm_script(cfg, backend: str = "gloo", n: int = 4, env=None, slurm=None) -> tuple[str, dict]:
     """The engine batch script a Slurm pool of ``n`` would submit, and its engines' env."""
     import ipyparallel as ipp
 
     cluster = ipp.Cluster(n=n, engines="slurm", config=cfg, log_level=40)
-    launchers.configure(cluster, "slurm", n, env or {}, backend)
+    launchers.configure(cluster, "slurm", n, env or {}, backend, slurm)
     es = cluster.engine_launcher_class(
         parent=cluster, profile_dir=str(ROOT / ".tmp"), cluster_id="t", n=n
     )
@@ -140,6 +140,71 @@ def test_a_gpu_pool_on_slurm_asks_for_one_gpu_per_engine_task():
     )
     theirs, _ = _slurm_script(cfg, "nccl")
     assert "--gres=gpu:4" in theirs and "gpus-per-task" not in theirs
+
+
+def test_slurm_options_become_sbatch_lines_and_config_still_counts():
+    """slurm= options and ipyparallel's own SlurmLauncher settings in config= both reach
+    the script nbpar writes (slurm= wins), each once, with the engine tasks' lines."""
+    from traitlets.config import Config
+
+    cfg = Config()
+    cfg.SlurmLauncher.account = "from_config"
+    cfg.SlurmLauncher.queue = "short"
+    options = {"partition": "gpu", "time": "1-00:00:00", "qos": "high"}
+    extra = ["--nodes=2", "#SBATCH --exclusive", "--comment={braces kept}"]
+    script, _ = _slurm_script(cfg, "nccl", n=16, slurm={**options, "extra": extra})
+    lines = [x for x in script.splitlines() if x.startswith("#SBATCH")]
+    assert lines == [
+        "#SBATCH --ntasks=16",
+        f"#SBATCH --output={lines[1].split('=', 1)[1]}",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --time=1-00:00:00",
+        "#SBATCH --account=from_config",
+        "#SBATCH --qos=high",
+        "#SBATCH --gpus-per-task=1",
+        "#SBATCH --nodes=2",
+        "#SBATCH --exclusive",
+        "#SBATCH --comment={braces kept}",
+        "#SBATCH --export=ALL",
+        "#SBATCH --job-name=ipengine-t",
+    ]
+    assert f"srun {sys.executable} -m nbpar.pool.engine" in script
+
+
+@pytest.mark.parametrize(
+    "kwargs, said",
+    [
+        (dict(launcher="local", slurm={"partition": "gpu"}), r"slurm= options are for launcher"),
+        (dict(launcher="slurm", slurm=["gpu"]), r"slurm= must be a dict"),
+        (dict(launcher="slurm", slurm={"account": "a b"}), r"account 'a b' is not a Slurm name"),
+        (dict(launcher="slurm", slurm={"time": "-5"}), r"time '-5' is not a Slurm time limit"),
+        (dict(launcher="slurm", slurm={"extra": ["nodes=2"]}), r"is not one sbatch option"),
+        (dict(launcher="slurm", slurm={"extra": ["--a\n--b"]}), r"is not one sbatch option"),
+        (dict(launcher="slurm", slurm={"extra": ["--output=x"]}), r"the pool sets --output"),
+        (dict(launcher="slurm", slurm={"extra": ["--time=5"]}), r"slurm=\{'time': \.\.\.\}"),
+    ],
+)
+def test_bad_slurm_options_are_refused_before_anything_starts(monkeypatch, tmp_path, kwargs, said):
+    sbatch = tmp_path / "sbatch"  # present, so the launcher check passes; never run
+    sbatch.write_text("#!/bin/sh\nexit 1\n")
+    sbatch.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    before = children()
+    with pytest.raises(ValueError, match=said):
+        nbpar.Pool(2, **kwargs)
+    assert children() <= before
+
+
+def test_slurm_options_and_a_script_of_ones_own_do_not_mix(monkeypatch, tmp_path):
+    from traitlets.config import Config
+
+    from nbpar.pool import slurm
+
+    cfg = Config()
+    cfg.SlurmEngineSetLauncher.batch_template = "#!/bin/sh\nsrun {program_and_args}\n"
+    with pytest.raises(ValueError, match=r"put the options in your script"):
+        slurm.check_options({"partition": "gpu"}, "slurm", cfg)
+    assert slurm.check_options(None, "slurm", cfg) == {"extra": []}
 
 
 def test_mpi_launch_settings_are_configurable():

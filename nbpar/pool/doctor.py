@@ -150,6 +150,7 @@ class DoctorReport:
 
     def lines(self, frames: int = 6) -> list[str]:
         out = [f"diagnosis: {self.diagnosis}", f"way out: {self.way_out}"]
+        hosts = len({rep.get("host") for rep in self.reports.values()})
         for r in self.ranks:
             rep = self.reports.get(r)
             if rep is None:
@@ -159,7 +160,8 @@ class DoctorReport:
                 out.append(f"rank {r}: could not look: {rep['error']}")
                 continue
             at = "" if rep["state"] == "idle" else f", at {_at(rep)}"
-            out.append(f"rank {r} (pid {rep['pid']}): {rep['state']}{at}")
+            where = f"pid {rep['pid']}" + (f" on {rep['host']}" if hosts > 1 else "")
+            out.append(f"rank {r} ({where}): {rep['state']}{at}")
             for c in rep["collectives"][-5:]:
                 out.append(f"    {_op(c):<28} {_shape(c):<20} {c['state']}")
             for f in rep["stack"][-frames:]:

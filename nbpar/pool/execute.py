@@ -231,12 +231,18 @@ def interrupt(pool, ranks, ars, wait_s: float = STOP_S) -> None:
     if not ranks:
         return
     import os
+    import socket
 
     start = time.monotonic()
-    for pid in [pool.engines[r]["pid"] for r in ranks]:
+    here = socket.gethostname()
+    for r in ranks:
+        engine = pool.engines[r]
         try:
-            os.kill(pid, signal.SIGINT)
-        except OSError:
+            if engine.get("host", here) == here:
+                os.kill(engine["pid"], signal.SIGINT)
+            else:  # its pid means nothing here: the engine signals itself
+                pool.client.send_signal(signal.SIGINT, targets=pool.engine_id(r), block=False)
+        except Exception:  # gone already, or its engine does not answer
             pass
     while time.monotonic() < start + wait_s and not all(ars[r].ready() for r in ranks):
         time.sleep(0.02)

@@ -15,6 +15,9 @@ import subprocess
 import sys
 from importlib.util import find_spec
 
+from nbpar.pool import slurm
+from nbpar.pool.engine import DETACHED
+
 #: Command each launcher needs on PATH, and how to get it.
 LAUNCHER_NEEDS = {
     "mpi": (
@@ -82,16 +85,19 @@ def _is_open_mpi(mpiexec: str) -> bool:
     return "Open MPI" in out or "OpenRTE" in out
 
 
-def configure(cluster, launcher: str, n: int, env: dict, backend: str = "gloo") -> None:
+def configure(
+    cluster, launcher: str, n: int, env: dict, backend: str = "gloo", slurm_options=None
+) -> None:
     """Point ``cluster``'s engine launcher at nbpar's engine and fit mpiexec to a pool.
 
     ``env`` goes to every engine process. For ``launcher="mpi"``: as root, the
     Open MPI root variables; ``--bind-to none`` leaves thread placement to torch
     and more engines than cores get ``--oversubscribe`` (a CPU pool shares cores
     on purpose). mpiexec settings in the user's ``config=`` win. Engine ids are
-    the MPI ranks, so engine order is rank order. For ``launcher="slurm"`` on
-    ``backend="nccl"``: each engine task asks Slurm for one GPU (ipyparallel's
-    script asks for none), unless ``config=`` brings its own batch script.
+    the MPI ranks, so engine order is rank order. For ``launcher="slurm"``: the
+    engines' batch script that `nbpar.pool.slurm.batch_template` makes from
+    ``slurm_options`` (one GPU per engine task on ``backend="nccl"``), unless
+    ``config=`` brings a script of its own.
     """
     cfg = cluster.config
     cfg.EngineLauncher.engine_cmd = engine_cmd()
@@ -112,20 +118,17 @@ def configure(cluster, launcher: str, n: int, env: dict, backend: str = "gloo") 
             if n > (os.cpu_count() or 1):
                 args.append("--oversubscribe")
             cfg.MPIEngineSetLauncher.mpi_args = args
-    if launcher.lower() == "slurm" and backend == "nccl":
+    if launcher.lower() in ("ssh", "sshproxy"):
+        # its remote shim starts the engine in a session of its own and exits at once
+        env = {DETACHED: "1", **env}
+    if launcher.lower() == "slurm":
         mine = cfg.SlurmEngineSetLauncher if "SlurmEngineSetLauncher" in cfg else {}
-        if "batch_template" not in mine and "batch_template_file" not in mine:
-            cfg.SlurmEngineSetLauncher.batch_template = slurm_gpu_template()
+        if "batch_file_name" not in mine:  # ipyparallel writes it where the notebook is
+            cfg.SlurmEngineSetLauncher.batch_file_name = os.path.join(
+                cluster.profile_dir, "log", f"slurm-engines-{cluster.cluster_id}.sbatch"
+            )
+        if not slurm.own_template(cfg):
+            options = slurm.check_options(slurm_options, launcher, cfg)
+            cfg.SlurmEngineSetLauncher.batch_template = slurm.batch_template(options, backend)
     if env:
         cfg.EngineLauncher.environment = {**cfg.EngineLauncher.get("environment", {}), **env}
-
-
-def slurm_gpu_template() -> str:
-    """ipyparallel's Slurm engine script with one GPU per task (``--gpus-per-task=1``):
-    every engine is a task of one job, and `nbpar.device.gpu_index` finds its GPU."""
-    from ipyparallel.cluster.launcher import SlurmEngineSetLauncher
-
-    # a script of one's own gets none of the lines ipyparallel adds to its default
-    first, rest = SlurmEngineSetLauncher.default_template.default_value.split("\n", 1)
-    ours = ("--ntasks={n}", "--gpus-per-task=1", "--output={output_file}")
-    return "\n".join([first, *(f"#SBATCH {line}" for line in ours), rest])

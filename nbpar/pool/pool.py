@@ -13,7 +13,6 @@ import weakref
 from nbpar import device
 from nbpar.errors import PoolError, UsageError
 from nbpar.pool import startup
-from nbpar.pool.launchers import check_launcher
 from nbpar.pool.progress import StartProgress
 
 # The process-wide registry of pools (the kernel's): every pool not shut down, and the
@@ -45,7 +44,9 @@ class Pool:
     the previous current pool (what re-running a notebook cell wants);
     ``restart="auto"``: after an engine dies, bring the pool back by itself
     (the failed cell or run still raises, so you know to run it again); such a
-    pool keeps n spare engines warm for it.
+    pool keeps n spare engines warm for it. ``slurm``: with
+    ``launcher="slurm"``, the engines' job options (partition, time, account, qos,
+    extra ``#SBATCH`` lines: `nbpar.pool.slurm`), checked before anything starts.
     Other keyword arguments go to ``ipyparallel.Cluster``.
     """
 
@@ -63,25 +64,13 @@ class Pool:
         port: int | None = None,
         replace: bool = True,
         restart: str | None = None,
+        slurm: dict | None = None,
         **cluster_kwargs,
     ):
-        n_gpus = device.accelerator_count() if backend in (None, "nccl") else 0
-        if backend is not None and backend not in device.BACKENDS:
-            raise ValueError(f"backend must be one of {device.BACKENDS}, got {backend!r}")
-        if n is not None:
-            startup.check_size(n)
-        check_launcher(launcher)
-        n, backend, self.note = device.pool_plan(n, backend, n_gpus, launcher == "local")
-        problem = device.cpu_torch_on_a_gpu_machine() if launcher == "local" else None
-        if problem:  # its GPU unseen, the pool would run on gloo without a word
-            self.note = f"{self.note}; {problem}" if self.note else problem
-        n = startup.check_size(n)
-        if timeout is not None and timeout <= 0:
-            raise ValueError(f"timeout must be positive seconds or None, got {timeout!r}")
+        n, backend, self.note = startup.check_start(
+            n, launcher, backend, timeout, port, ip, restart, slurm, cluster_kwargs.get("config")
+        )
         env = {str(k): str(v) for k, v in (env or {}).items()}
-        startup.check_port(port, ip)
-        if restart not in (None, "auto"):
-            raise ValueError(f"restart must be None or 'auto', got {restart!r}")
         self.auto_restart = restart == "auto"
         if replace:
             previous = _current() if _current else None
@@ -99,7 +88,7 @@ class Pool:
         progress = StartProgress()  # what it is doing, in the notebook, for these seconds
         try:
             self.cluster, self.client, self._engine_ids, self._sets = startup.start_cluster(
-                n, launcher, ip, start_timeout, env, progress.say, backend, **cluster_kwargs
+                n, launcher, ip, start_timeout, env, progress.say, backend, slurm, **cluster_kwargs
             )
             progress.say(f"{n}/{n} engines registered; joining the process group ({backend})")
             self._rendezvous()

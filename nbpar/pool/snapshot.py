@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -118,6 +119,7 @@ def snapshot(rank: int, backend: str, thread_id: int) -> dict:
     return {
         "rank": rank,
         "pid": os.getpid(),
+        "host": socket.gethostname(),
         "state": state,
         "where": where,
         "stack": frames,

@@ -26,6 +26,32 @@ def check_size(n) -> int:
     return positive_int("Pool size", n)
 
 
+def check_start(n, launcher, backend, timeout, port, ip, restart, slurm_options, config):
+    """A pool's arguments checked before anything starts: (n, backend, note), the
+    note being what the pool says once where it starts (None: nothing to say)."""
+    from nbpar import device
+    from nbpar.pool import launchers, slurm
+
+    n_gpus = device.accelerator_count() if backend in (None, "nccl") else 0
+    if backend is not None and backend not in device.BACKENDS:
+        raise ValueError(f"backend must be one of {device.BACKENDS}, got {backend!r}")
+    if n is not None:
+        check_size(n)
+    launchers.check_launcher(launcher)
+    slurm.check_options(slurm_options, launcher, config)
+    n, backend, note = device.pool_plan(n, backend, n_gpus, launcher == "local")
+    problem = device.cpu_torch_on_a_gpu_machine() if launcher == "local" else None
+    if problem:  # its GPU unseen, the pool would run on gloo without a word
+        note = f"{note}; {problem}" if note else problem
+    n = check_size(n)
+    if timeout is not None and timeout <= 0:
+        raise ValueError(f"timeout must be positive seconds or None, got {timeout!r}")
+    check_port(port, ip)
+    if restart not in (None, "auto"):
+        raise ValueError(f"restart must be None or 'auto', got {restart!r}")
+    return n, backend, note
+
+
 def check_port(port, ip: str) -> None:
     """A rendezvous ``port`` that is a port number and free on this host (None: any)."""
     if port is None:
@@ -50,6 +76,7 @@ def start_cluster(
     env: dict,
     say=None,
     backend: str = "gloo",
+    slurm_options: dict | None = None,
     **kwargs,
 ):
     """Start a controller and ``n`` engines; (cluster, client, engine ids, EngineSets)
@@ -58,7 +85,7 @@ def start_cluster(
     say = say or (lambda text: None)
     import ipyparallel as ipp
 
-    from nbpar.pool import launchers
+    from nbpar.pool import launchers, slurm
     from nbpar.pool.engines import EngineSets
 
     options = dict(
@@ -73,13 +100,22 @@ def start_cluster(
     options.update(kwargs)
     cluster, client = ipp.Cluster(**options), None
     try:
-        launchers.configure(cluster, launcher, n, env, backend)
+        ours = launcher.lower() == "slurm" and not slurm.own_template(cluster.config)
+        launchers.configure(cluster, launcher, n, env, backend, slurm_options)
+        if ours:  # a script nbpar wrote: Slurm says now whether it would run it
+            slurm.check_submit(cluster.config.SlurmEngineSetLauncher.batch_template, n)
         say(f"starting a controller and {n} engine(s) ({launcher})")
         cluster.start_cluster_sync()
         if cluster.cluster_file and os.path.exists(cluster.cluster_file):
             os.chmod(cluster.cluster_file, 0o600)  # connection details: the owner's only
         client = cluster.connect_client_sync()
-        wait_registered(client, n, start_timeout, say)
+        try:
+            wait_registered(client, n, start_timeout, say)
+        except TimeoutError as e:
+            job = slurm.job_state(cluster) if launcher.lower() == "slurm" else None
+            if job:  # still queued, say: the reason is Slurm's, not the engines'
+                raise TimeoutError(f"{e}; {job}") from None
+            raise
     except BaseException:
         stop(cluster, client)  # nothing left running when start-up fails
         raise
@@ -105,6 +141,9 @@ def stop(cluster, client) -> None:
             # ipyparallel logs harmless races while removing engine log files
             # ("Failed to remove ...log"): not worth a red line in a notebook
             cluster.log.setLevel(logging.CRITICAL)
+            for key, engines in list(cluster.engines.items()):
+                if getattr(engines, "job_id", None) == "":  # never submitted: nothing to cancel
+                    cluster.engines.pop(key)
             cluster.stop_cluster_sync()
     finally:
         if client is not None:
