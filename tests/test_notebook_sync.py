@@ -89,6 +89,18 @@ def test_raises_exception_cells_are_tagged(notebook):
             assert "raises-exception" in cell.metadata.get("tags", []), f"cell {i}"
 
 
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
+def test_nbval_markers_stand_alone_on_their_line(notebook):
+    """nbval reads a marker only when the comment is the marker and nothing else: with a
+    reason after it on the same line the cell is silently compared after all."""
+    from nbval.plugin import comment_markers
+
+    for i, cell in enumerate(nbformat.read(notebook, as_version=4).cells):
+        for line in cell.source.splitlines():
+            if "NBVAL_" in line and line.lstrip().startswith("#"):
+                assert line.lstrip("#").strip() in comment_markers, f"cell {i}: {line!r}"
+
+
 def _copy(notebook: pathlib.Path, root: pathlib.Path) -> pathlib.Path:
     (root / "src").mkdir()
     shutil.copy(source_of(notebook), root / "src")

@@ -170,7 +170,8 @@ print(f"ffn.w1: full shape {tuple(w1.ds_shape)}, this rank stores {w1.ds_tensor.
 
 # %%
 # %%dist
-# NBVAL_IGNORE_OUTPUT (bf16 losses: the last digit depends on the CPU's bf16 kernels)
+# NBVAL_IGNORE_OUTPUT
+# (bf16 losses: the last digit depends on the CPU's bf16 kernels)
 from torch.utils.data import DataLoader, DistributedSampler
 from nbpar.model.data import ByteWindows, pysource_bytes
 
@@ -194,7 +195,8 @@ for step, (x, y) in enumerate(loader):
 # in the rest; here `strategy="zero3"`, `precision="bf16"`, `offload="optimizer"`.
 
 # %%
-# NBVAL_IGNORE_OUTPUT (bf16 losses; the bf16_gap assertion below checks them)
+# NBVAL_IGNORE_OUTPUT
+# (bf16 losses; the bf16_gap assertion below checks them)
 ds_config = {
     "train_micro_batch_size_per_gpu": 8,
     "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},

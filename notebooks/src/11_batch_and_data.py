@@ -111,7 +111,8 @@ def tail_mean(values):
     return sum(values[-len(values) // 4:]) / (len(values) // 4)
 
 
-# NBVAL_IGNORE_OUTPUT (some means sit within 0.1% of a rounding step; the next cell asserts)
+# NBVAL_IGNORE_OUTPUT
+# (some means sit within 0.1% of a rounding step; the next cell asserts)
 fig = Figure(figsize=(11, 3.6), layout="constrained")
 left, right = fig.subplots(1, 2, width_ratios=(1, 2))
 for name in ("batch 64, lr 0.08 + warm-up", "batch 128, lr 0.16 + warm-up"):
@@ -150,7 +151,8 @@ first = losses["batch 64, lr 0.08"][0]
 assert max(losses["batch 64, lr 0.08"][1:]) < first
 
 # %%
-# NBVAL_IGNORE_OUTPUT (ratios near a rounding step; the cell above asserts the claims)
+# NBVAL_IGNORE_OUTPUT
+# (ratios near a rounding step; the cell above asserts the claims)
 print(f"same lr, 8x the batch: the loss after {SAMPLES} samples is "
       f"{same / small:.0f}x the small batch's (8x fewer steps of the same size)")
 print(f"8x the lr: the loss ends {same / scaled:.0f}x lower than with the same lr "

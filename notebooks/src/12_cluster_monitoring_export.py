@@ -175,6 +175,84 @@ for link, gb_s in links_gb_s.items():
 # `docs/multinode.md` has an 8 nodes x 8 GPUs example for Slurm and SSH. Each engine then
 # binds GPU `local_rank` of its host, exactly as `setup` above.
 #
+# ### A pool through Slurm
+#
+# Where a Slurm answers on this machine (`sinfo` works), the next cell starts a 2-engine
+# pool through it: the engines are two tasks of one Slurm job, `sbatch` submits it,
+# `srun` starts them, `pool.shutdown()` cancels it. Where none runs (a laptop, CI), it
+# reads what the same cell recorded against a one-node Slurm on a 2-core machine
+# (`notebooks/stored/slurm_pool.json`; `tests/slurm_cluster.py` starts such a Slurm).
+# On a real cluster three things change: the partition, time and account your site
+# asks for go in `slurm={...}` (checked, and then asked of Slurm with `sbatch
+# --test-only`, before anything is queued); the job may wait in the queue, so give
+# `start_timeout` room; and the engines run on other nodes, so the controller must
+# listen where they reach it (`ip="0.0.0.0"`).
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+# (which of the two it was, and the seconds it took)
+import time
+
+STORED = os.path.join("stored", "slurm_pool.json")
+
+
+def slurm_answers() -> bool:
+    if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
+        return False
+    return subprocess.run(["sinfo", "-h"], capture_output=True, timeout=10).returncode == 0
+
+
+if slurm_answers():
+    t0 = time.perf_counter()
+    on_slurm = nbpar.Pool(2, launcher="slurm", replace=False, slurm={"time": "10"})
+    start_s = time.perf_counter() - t0
+    job = next(s.job_id for s in on_slurm.cluster.engines.values() if s.job_id)
+    got = on_slurm.execute(
+        "import os, torch, torch.distributed as dist\n"
+        "t = torch.ones(1) * (dist.get_rank() + 1); dist.all_reduce(t)\n"
+        "print(t.item(), os.environ['SLURM_JOB_ID'], os.environ['SLURM_PROCID'])"
+    ).text().splitlines()
+    script = on_slurm.cluster.config.SlurmEngineSetLauncher.batch_template
+    hosts = sorted({r["host"] for r in on_slurm.status()})
+    on_slurm.shutdown()
+    pool.activate()  # %%dist runs on the notebook's own pool again
+    for _ in range(100):  # cancelled: the job leaves squeue
+        queued = subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True)
+        if not queued.stdout.strip():
+            break
+        time.sleep(0.2)
+    slurm_run = {
+        "date": time.strftime("%Y-%m-%d"),
+        "start_s": round(start_s, 1),
+        "lines": [" ".join(line.split()[2:3] + [str(line.split()[3] == job)]) for line in got],
+        "tasks": sorted(line.split()[4] for line in got),
+        "hosts": len(hosts),
+        "script": [x for x in script.splitlines() if x.startswith("#SBATCH")],
+        "gone_after_shutdown": not queued.stdout.strip(),
+    }
+    if os.environ.get("NBPAR_STORE_SLURM_RUN") == "1":  # who refreshes the stored run
+        with open(STORED, "w") as f:
+            json.dump(slurm_run, f, indent=1)
+    print(f"live: a Slurm answered here; Pool(2) through it in {start_s:.1f} s")
+else:
+    with open(STORED) as f:
+        slurm_run = json.load(f)
+    print(f"no Slurm answers here: the run stored on {slurm_run['date']} "
+          f"(Pool(2) through Slurm took {slurm_run['start_s']} s there)")
+
+# %%
+print("each rank: all_reduce of rank + 1, and whether it ran in the engines' job")
+for rank, line in enumerate(slurm_run["lines"]):
+    print(f"  rank {rank}: {line}")
+print("Slurm task ids:", slurm_run["tasks"], "on", slurm_run["hosts"], "host(s)")
+print("the engines' batch script:")
+for line in slurm_run["script"]:
+    print("  " + line)
+print("job gone from squeue after shutdown:", slurm_run["gone_after_shutdown"])
+assert slurm_run["lines"] == ["3.0 True", "3.0 True"] and slurm_run["tasks"] == ["0", "1"]
+assert "#SBATCH --time=10" in slurm_run["script"] and slurm_run["gone_after_shutdown"]
+
+# %% [markdown]
 # **Takeaway:** the script is the notebook's recipe with torchrun providing rank and
 # world; it ends with the same weights as `pool.train`, bit for bit. On a cluster,
 # set NCCL's system variables in the job script, keep `NCCL_P2P_DISABLE` for debugging,
