@@ -10,8 +10,11 @@ only fails here instead of being lost at the next sync.
 from __future__ import annotations
 
 import ast
+import json
 import pathlib
+import re
 import shutil
+import sys
 
 import jupytext
 import nbformat
@@ -99,6 +102,49 @@ def test_nbval_markers_stand_alone_on_their_line(notebook):
         for line in cell.source.splitlines():
             if "NBVAL_" in line and line.lstrip().startswith("#"):
                 assert line.lstrip("#").strip() in comment_markers, f"cell {i}: {line!r}"
+
+
+#: where a machine's own paths start: a stored output holding one says whose machine
+#: ran it (and what its tracebacks were), and differs on the next one
+MACHINE_PATH = re.compile(r"(?<![\w.])(/(work|root|home|tmp|Users|opt|usr|var)/|[A-Z]:\\)")
+
+
+def _stored_texts(notebook):
+    """(cell index, text) for every stored output's text (images left out)."""
+    for i, cell in enumerate(nbformat.read(notebook, as_version=4).cells):
+        for out in cell.get("outputs", []):
+            parts = [out.get("text", ""), out.get("evalue", ""), *out.get("traceback", [])]
+            for kind, data in out.get("data", {}).items():
+                if not kind.startswith("image/"):
+                    parts.append(data if isinstance(data, str) else json.dumps(data))
+            yield i, "\n".join(parts)
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
+def test_no_stored_output_holds_a_path_of_the_machine_that_ran_it(notebook):
+    here = [str(NOTEBOOK_DIR.parent), str(pathlib.Path.home()), sys.prefix]
+    for i, text in _stored_texts(notebook):
+        m = MACHINE_PATH.search(text)
+        assert m is None, f"cell {i}: {text[max(0, m.start() - 60) : m.end() + 60]!r}"
+        assert not [p for p in here if p in text], f"cell {i} holds a path of this machine"
+
+
+def test_the_path_check_catches_a_traceback_path(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("1/0")
+    cell.outputs = [
+        nbformat.v4.new_output(
+            "error",
+            ename="ZeroDivisionError",
+            evalue="division by zero",
+            traceback=['File "/work/main/nbpar/pool/pool.py", line 3'],
+        )
+    ]
+    nb.cells.append(cell)
+    path = tmp_path / "x.ipynb"
+    nbformat.write(nb, path)
+    [(_, text)] = list(_stored_texts(path))
+    assert MACHINE_PATH.search(text)
 
 
 def _copy(notebook: pathlib.Path, root: pathlib.Path) -> pathlib.Path:
