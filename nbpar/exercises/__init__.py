@@ -1,0 +1,62 @@
+"""Exercises checked on the pool: the learner writes the parallel code, a checker runs
+it on every rank and answers with a pass or the one hint that matters.
+
+In a ``%%dist`` cell, define the function the exercise asks for and hand it to
+`check` on every rank::
+
+    %%dist
+    def ring_all_reduce(t):
+        ...
+    nbpar.exercises.check("ring_all_reduce", ring_all_reduce)
+
+Rank 0 prints ``ring all-reduce: passed: ...`` or ``... not yet: rank 1 sent 96 B
+where a ring sends ...``; every rank gets the same `Verdict` back (truthy when passed),
+so a solution cell can ``assert`` it. `EXERCISES` lists them.
+"""
+
+from __future__ import annotations
+
+from nbpar.exercises.verdict import Verdict
+
+#: name -> (module, checker, what the function must do)
+EXERCISES = {
+    "ring_all_reduce": (
+        "collectives",
+        "check_ring_all_reduce",
+        "fn(t) -> t summed over ranks, from send/recv only",
+    ),
+    "all_reduce_from_halves": (
+        "collectives",
+        "check_all_reduce_from_halves",
+        "fn(t) -> t summed over ranks, from one reduce_scatter and one all_gather",
+    ),
+    "shard_indices": (
+        "data",
+        "check_shard_indices",
+        "fn(n, rank, world, epoch, seed) -> the indices DistributedSampler gives rank",
+    ),
+    "average_gradients": (
+        "ddp",
+        "check_average_gradients",
+        "fn(model) after backward -> every .grad the mean over ranks, as DDP's",
+    ),
+}
+
+
+def check(name: str, fn, **options) -> Verdict:
+    """Check ``fn`` for exercise ``name`` on every rank (call it on all of them)."""
+    import importlib
+
+    if name not in EXERCISES:
+        raise ValueError(f"no exercise {name!r}; there are: {', '.join(EXERCISES)}")
+    if not callable(fn):
+        raise ValueError(f"check({name!r}, fn): fn must be your function, got {fn!r}")
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError("exercises run on the pool's ranks: check them in a %%dist cell")
+    module, checker, _ = EXERCISES[name]
+    return getattr(importlib.import_module(f"nbpar.exercises.{module}"), checker)(fn, **options)
+
+
+__all__ = ["EXERCISES", "Verdict", "check"]

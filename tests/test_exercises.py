@@ -1,0 +1,157 @@
+"""nbpar.exercises on real gloo processes: each reference answer passes, and each
+typical wrong answer gets the hint that names what is wrong."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import exercise_answers as answers
+from tests.distributed import run_distributed
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _check(rank, world, cases):
+    """Every (exercise, answer) of ``cases`` checked on this rank: (passed, hint)s."""
+    import nbpar.exercises as ex
+
+    out = []
+    for name, answer in cases:
+        verdict = ex.check(name, getattr(answers, answer))
+        out.append((verdict.passed, verdict.hint))
+    return out
+
+
+def _verdicts(world, cases):
+    results = run_distributed(_check, world, cases)
+    assert all(r == results[0] for r in results)  # every rank judges the same
+    return dict(zip([a for _, a in cases], results[0], strict=True))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_collectives_by_hand(world):
+    got = _verdicts(
+        world,
+        [
+            ("ring_all_reduce", "ring_all_reduce"),
+            ("ring_all_reduce", "ring_without_all_gather"),
+            ("ring_all_reduce", "ring_whole_tensor"),
+            ("ring_all_reduce", "ring_with_all_reduce"),
+            ("ring_all_reduce", "mean_all_reduce"),
+            ("all_reduce_from_halves", "all_reduce_from_halves"),
+            ("all_reduce_from_halves", "halves_without_gather"),
+        ],
+    )
+    numel = 12 * world
+    theory = 2 * (world - 1) * numel * 4 // world
+    passed, hint = got["ring_all_reduce"]
+    assert passed, hint
+    assert hint.startswith(f"every rank holds the sum; each sent {theory} B")
+    assert got["ring_without_all_gather"] == (
+        False,
+        f"only 1 of {world} chunks are the full sum on rank 0: a ring takes {world - 1} "
+        f"reduce-scatter steps, then {world - 1} all-gather steps that pass the finished "
+        f"chunks on",
+    )
+    passed, hint = got["ring_whole_tensor"]
+    assert not passed
+    if world == 2:  # one step with the whole tensor sends what a ring sends, in half the steps
+        assert hint == (
+            "rank 0 took 1 steps of one send and one receive: a ring of 2 takes "
+            "2(N-1) = 2, each passing one chunk"
+        )
+    else:
+        assert hint == (
+            f"rank 0 sent {(world - 1) * numel * 4} B where a ring sends 2(N-1)/N of the "
+            f"tensor, {theory} B: send one chunk (1/{world} of it) per step, not the whole "
+            f"tensor"
+        )
+    assert got["ring_with_all_reduce"] == (
+        False,
+        "rank 0 called all_reduce: write the ring from send and recv only",
+    )
+    assert (
+        got["mean_all_reduce"][1]
+        == "rank 0 called all_reduce: write the ring from send and recv only"
+    )
+    assert got["all_reduce_from_halves"][0], got["all_reduce_from_halves"]
+    assert f"what one all_reduce moves ({theory} B)" in got["all_reduce_from_halves"][1]
+    assert got["halves_without_gather"] == (False, "rank 0 never called all_gather")
+
+
+def test_a_sampler_by_hand():
+    got = _verdicts(
+        3,
+        [
+            ("shard_indices", "shard_indices"),
+            ("shard_indices", "shard_indices_no_epoch"),
+            ("shard_indices", "shard_indices_same_for_all"),
+            ("shard_indices", "shard_indices_unpadded"),
+        ],
+    )
+    assert got["shard_indices"][0], got["shard_indices"]
+    assert got["shard_indices_no_epoch"] == (
+        False,
+        "epoch 1 repeated epoch 0's order on rank 0: did you call set_epoch (seed the "
+        "shuffle with seed + epoch)?",
+    )
+    assert got["shard_indices_same_for_all"] == (
+        False,
+        "rank 1 read the same samples as rank 0: did each rank get its own shard (every "
+        "3th index, starting at its rank)?",
+    )
+    assert got["shard_indices_unpadded"][1].startswith(
+        "ranks read different numbers of samples (3, 4): pad to ceil(n / world) = 4 each"
+    )
+
+
+def test_ddp_by_hand():
+    got = _verdicts(
+        2,
+        [
+            ("average_gradients", "average_gradients"),
+            ("average_gradients", "sum_gradients"),
+            ("average_gradients", "no_communication"),
+            ("average_gradients", "average_gradients_twice"),
+        ],
+    )
+    passed, hint = got["average_gradients"]
+    assert passed, hint
+    assert hint.startswith("gradients equal DDP's on every rank; you called all_reduce 4 time(s)")
+    assert got["sum_gradients"] == (
+        False,
+        "the gradients are 2x DDP's: all_reduce sums, so divide by the world size (2)",
+    )
+    assert got["no_communication"] == (
+        False,
+        "rank 0's gradients are still its own: all_reduce every parameter's .grad",
+    )
+    passed, hint = got["average_gradients_twice"]
+    assert not passed
+    assert hint.startswith("you called all_reduce 8 times and sent 2.0x the bytes DDP sends")
+
+
+def test_a_check_outside_the_pool_or_of_no_exercise_says_so():
+    import nbpar.exercises as ex
+
+    with pytest.raises(ValueError, match=r"no exercise 'ring'; there are: ring_all_reduce"):
+        ex.check("ring", answers.ring_all_reduce)
+    with pytest.raises(RuntimeError, match=r"check them in a %%dist cell"):
+        ex.check("ring_all_reduce", answers.ring_all_reduce)
+
+
+def test_in_a_dist_cell_rank_0_says_the_verdict_once(pool):
+    res = pool.execute(
+        "import torch, torch.distributed as dist, nbpar.exercises\n"
+        "def average_gradients(model):\n"
+        "    for p in model.parameters():\n"
+        "        dist.all_reduce(p.grad)\n"
+        "v = nbpar.exercises.check('average_gradients', average_gradients)\n"
+        "print(bool(v))"
+    )
+    lines = res.text().splitlines()
+    assert lines[0] == (
+        "[rank 0] DDP by hand: not yet: the gradients are 2x DDP's: all_reduce sums, "
+        "so divide by the world size (2)"
+    )
+    assert lines[1:] == ["[rank 0] False", "[rank 1] False"]
