@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -131,3 +133,61 @@ def average_gradients_twice(model):
         p.grad /= world
         dist.all_reduce(p.grad)
         p.grad /= world
+
+
+def accumulate(model, micro_batches):
+    k = len(micro_batches)
+    for i, (x, y) in enumerate(micro_batches):
+        sync = i == k - 1
+        ctx = contextlib.nullcontext() if sync else model.no_sync()
+        with ctx:
+            (torch.nn.functional.mse_loss(model(x), y) / k).backward()
+
+
+def accumulate_without_no_sync(model, micro_batches):
+    """Wrong: DDP all-reduces after every micro-batch."""
+    k = len(micro_batches)
+    for x, y in micro_batches:
+        (torch.nn.functional.mse_loss(model(x), y) / k).backward()
+
+
+def accumulate_undivided(model, micro_batches):
+    """Wrong: the micro-batch losses are not divided by their number."""
+    for i, (x, y) in enumerate(micro_batches):
+        ctx = contextlib.nullcontext() if i == len(micro_batches) - 1 else model.no_sync()
+        with ctx:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+
+
+def tp_mlp(x, w1_shard, w2_shard):
+    y = torch.relu(x @ w1_shard.T) @ w2_shard.T  # column parallel, then row parallel
+    dist.all_reduce(y)
+    return y
+
+
+def tp_mlp_no_all_reduce(x, w1_shard, w2_shard):
+    """Wrong: the row-parallel linear's all-reduce is missing."""
+    return torch.relu(x @ w1_shard.T) @ w2_shard.T
+
+
+def tp_mlp_reduce_twice(x, w1_shard, w2_shard):
+    """Wrong: an all-gather-like detour: all-reduces the output twice (and divides)."""
+    y = torch.relu(x @ w1_shard.T) @ w2_shard.T
+    dist.all_reduce(y)
+    z = y.clone()
+    dist.all_reduce(z)
+    return z / dist.get_world_size()
+
+
+def mesh(dp, tp):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def mesh_swapped(dp, tp):
+    """Wrong: tp outer, so a tp group's ranks are strided across nodes."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    m = init_device_mesh("cpu", (tp, dp), mesh_dim_names=("tp", "dp"))
+    return m

@@ -155,3 +155,41 @@ def test_in_a_dist_cell_rank_0_says_the_verdict_once(pool):
         "so divide by the world size (2)"
     )
     assert lines[1:] == ["[rank 0] False", "[rank 1] False"]
+
+
+def test_accumulation_tensor_parallel_and_mesh():
+    got = _verdicts(
+        4,
+        [
+            ("accumulate", "accumulate"),
+            ("accumulate", "accumulate_without_no_sync"),
+            ("accumulate", "accumulate_undivided"),
+            ("tp_mlp", "tp_mlp"),
+            ("tp_mlp", "tp_mlp_no_all_reduce"),
+            ("tp_mlp", "tp_mlp_reduce_twice"),
+            ("mesh", "mesh"),
+            ("mesh", "mesh_swapped"),
+        ],
+    )
+    assert got["accumulate"][0], got["accumulate"]
+    assert got["accumulate_without_no_sync"] == (
+        False,
+        "you all-reduced 4 times where one step does 1: 4x the bytes; run all but the "
+        "last micro-batch inside model.no_sync()",
+    )
+    assert got["accumulate_undivided"][1].startswith("the gradients are 4x one step's")
+    assert got["tp_mlp"] == (
+        True,
+        "every rank's output equals the unsplit MLP's, with one all_reduce of the 4x6 "
+        "output (144 B) and none between the two linears",
+    )
+    assert got["tp_mlp_no_all_reduce"][1].startswith("rank 0 returns its partial sum")
+    assert got["tp_mlp_reduce_twice"][1] == (
+        "rank 0 called all_reduce 2 times, moving 288 B: one all_reduce of the output "
+        "(4x6, 144 B) is all a column + row pair needs"
+    )
+    assert got["mesh"] == (
+        True,
+        "2 x 2: tp groups [(0, 1), (2, 3)] (consecutive ranks), dp groups [(0, 2), (1, 3)]",
+    )
+    assert got["mesh_swapped"][1].startswith("the mesh is [2, 2] named ['tp', 'dp']")

@@ -40,6 +40,21 @@ EXERCISES = {
         "check_average_gradients",
         "fn(model) after backward -> every .grad the mean over ranks, as DDP's",
     ),
+    "accumulate": (
+        "ddp",
+        "check_accumulate",
+        "fn(ddp_model, micro_batches) -> one step's gradients, DDP syncing once (no_sync)",
+    ),
+    "tp_mlp": (
+        "tensor",
+        "check_tp_mlp",
+        "fn(x, w1_shard, w2_shard) -> the MLP's output: column- then row-parallel linear",
+    ),
+    "mesh": (
+        "tensor",
+        "check_mesh",
+        "fn(dp, tp) -> a DeviceMesh of shape (dp, tp) named ('dp', 'tp')",
+    ),
 }
 
 

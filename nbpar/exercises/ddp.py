@@ -88,3 +88,64 @@ def _problems(facts, world) -> list[str]:
             f"all_reduce each gradient once"
         )
     return out
+
+
+def _micro_batches(rank: int, k: int):
+    import torch
+
+    g = torch.Generator().manual_seed(2000 + rank)
+    return [(torch.randn(3, 8, generator=g), torch.randn(3, 4, generator=g)) for _ in range(k)]
+
+
+def check_accumulate(fn, k: int = 4):
+    """``fn(ddp_model, micro_batches)`` runs forward and backward on each of the ``k``
+    (x, y) micro-batches (MSE loss) so that the gradients equal one step on all of them
+    at once, and DDP all-reduces only once: ``no_sync()`` on all but the last."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = dist.get_rank()
+    batches = _micro_batches(rank, k)
+    whole = DDP(_model())
+
+    def one_step():
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        torch.nn.functional.mse_loss(whole(x), y).backward()
+
+    _, ref, _ = runner.metered(one_step)
+    want = {n: p.grad.clone() for n, p in whole.module.named_parameters()}
+    model = DDP(_model())
+    _, comm, error = runner.metered(fn, model, batches)
+    facts = {"error": error, "ref_calls": ref["calls"], "ref_bytes": ref["bytes"], **comm}
+    if error is None:
+        got = {n: p.grad for n, p in model.module.named_parameters()}
+        facts["off"] = max(far(got[n], want[n]) for n in want)
+        facts["times_k"] = max(far(got[n], want[n] * k) for n in want)
+    facts = runner.gather(facts)
+    problems = runner.errors(facts)
+    f = facts[0]
+    calls, ref_calls = f["calls"].get("all_reduce", 0), f["ref_calls"].get("all_reduce", 0)
+    if not problems:
+        if f["off"] > 1e-5 and f["times_k"] <= 1e-5:
+            problems.append(
+                f"the gradients are {k}x one step's: each micro-batch's loss is a mean over "
+                f"1/{k} of the batch, so divide it by {k} before backward"
+            )
+        elif f["off"] > 1e-5:
+            problems.append(f"the gradients are {f['off']:.3g} from one step on all {k}")
+        elif calls > ref_calls:
+            problems.append(
+                f"you all-reduced {calls} times where one step does {ref_calls}: "
+                f"{calls / ref_calls:g}x the bytes; run all but the last micro-batch "
+                f"inside model.no_sync()"
+            )
+    verdict = first_problem(
+        "gradient accumulation with no_sync",
+        problems,
+        f"{k} micro-batches give one step's gradients, with {calls} all_reduce call(s), "
+        f"as one step makes",
+        {"by_rank": facts},
+    )
+    runner.announce(verdict)
+    return verdict
