@@ -191,3 +191,124 @@ def mesh_swapped(dp, tp):
 
     m = init_device_mesh("cpu", (tp, dp), mesh_dim_names=("tp", "dp"))
     return m
+
+
+def zero1_step(flat_params, flat_grad, lr):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n = flat_params.numel() // world
+    mine = flat_params[rank * n : (rank + 1) * n].clone().requires_grad_()
+    mine.grad = flat_grad[rank * n : (rank + 1) * n].clone()
+    opt = torch.optim.Adam([mine], lr=lr)
+    opt.step()
+    out = torch.empty_like(flat_params)
+    dist.all_gather_into_tensor(out, mine.detach())
+    return out, opt
+
+
+def zero1_whole_adam(flat_params, flat_grad, lr):
+    """Wrong: an Adam over the whole vector on every rank (that is DDP, not ZeRO-1)."""
+    p = flat_params.clone().requires_grad_()
+    p.grad = flat_grad.clone()
+    opt = torch.optim.Adam([p], lr=lr)
+    opt.step()
+    return p.detach(), opt
+
+
+def zero1_no_gather(flat_params, flat_grad, lr):
+    """Wrong: steps its slice and never gathers the others'."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n = flat_params.numel() // world
+    mine = flat_params[rank * n : (rank + 1) * n].clone().requires_grad_()
+    mine.grad = flat_grad[rank * n : (rank + 1) * n].clone()
+    opt = torch.optim.Adam([mine], lr=lr)
+    opt.step()
+    out = flat_params.clone()
+    out[rank * n : (rank + 1) * n] = mine.detach()
+    return out, opt
+
+
+def fully_shard_each(model):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    return fully_shard(model)
+
+
+def fully_shard_root_only(model):
+    """Wrong: one unit for the whole model."""
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard(model)
+
+
+def memory(n_params, world, stage):
+    split = [world if stage >= s else 1 for s in (3, 2, 1)]  # params, grads, optim
+    return {
+        "params": 2 * n_params / split[0],
+        "grads": 2 * n_params / split[1],
+        "optim": 12 * n_params / split[2],
+    }
+
+
+def memory_fp32(n_params, world, stage):
+    """Wrong: fp32 training's bytes."""
+    return {"params": 4 * n_params, "grads": 4 * n_params, "optim": 8 * n_params}
+
+
+def memory_unsharded(n_params, world, stage):
+    """Wrong: ignores the ZeRO stage."""
+    return memory(n_params, world, 0)
+
+
+def training_time(n_params, tokens, gpus, peak_flops, mfu):
+    return 6 * n_params * tokens / (gpus * peak_flops * mfu)
+
+
+def training_time_forward_only(n_params, tokens, gpus, peak_flops, mfu):
+    """Wrong: 2 N D."""
+    return 2 * n_params * tokens / (gpus * peak_flops * mfu)
+
+
+def gpipe(stage, rank, data, group, *, send_back=True, divide=True, receive=True):
+    m = len(data)
+    if rank == 0:
+        outs = []
+        for x in data:
+            h = stage(x)
+            dist.send(h.detach().contiguous(), 1, group=group)
+            outs.append(h)
+        for h in outs:
+            g = torch.empty_like(h)
+            dist.recv(g, 1, group=group)
+            h.backward(g)
+        return
+    ins, losses = [], []
+    for y in data:
+        h = torch.zeros(y.shape[0], 16)
+        if receive:
+            dist.recv(h, 0, group=group)
+        h.requires_grad_()
+        ins.append(h)
+        loss = torch.nn.functional.mse_loss(stage(h), y)
+        losses.append(loss / m if divide else loss)
+    for h, loss in zip(ins, losses, strict=True):
+        loss.backward()
+        if send_back:
+            dist.send(h.grad, 0, group=group)
+
+
+def gpipe_no_grads_back(stage, rank, data, group):
+    """Wrong: stage 1 never sends the boundary's gradients back."""
+    return gpipe(stage, rank, data, group, send_back=False)
+
+
+def gpipe_undivided(stage, rank, data, group):
+    """Wrong: each micro-batch's loss not divided by their number."""
+    return gpipe(stage, rank, data, group, divide=False)
+
+
+def gpipe_never_receives(stage, rank, data, group):
+    """Wrong: stage 1 never receives (it computes on zeros)."""
+    return gpipe(stage, rank, data, group, receive=False)

@@ -193,3 +193,84 @@ def test_accumulation_tensor_parallel_and_mesh():
         "2 x 2: tp groups [(0, 1), (2, 3)] (consecutive ranks), dp groups [(0, 2), (1, 3)]",
     )
     assert got["mesh_swapped"][1].startswith("the mesh is [2, 2] named ['tp', 'dp']")
+
+
+def test_zero_by_hand():
+    got = _verdicts(
+        2,
+        [
+            ("zero1_step", "zero1_step"),
+            ("zero1_step", "zero1_whole_adam"),
+            ("zero1_step", "zero1_no_gather"),
+            ("fully_shard", "fully_shard_each"),
+            ("fully_shard", "fully_shard_root_only"),
+        ],
+    )
+    assert got["zero1_step"] == (
+        True,
+        "one Adam step equal to the unsharded one; each rank kept 192 B of Adam state "
+        "(1/2 of it) and gathered 96 B of parameters",
+    )
+    assert got["zero1_whole_adam"][1].startswith(
+        "rank 0's Adam holds 384 B of state: ZeRO-1 keeps only its slice's, 2 x 24 x 4 = 192 B"
+    )
+    assert got["zero1_no_gather"][1] == (
+        "24 of rank 0's 48 parameters did not change: each rank updates only its slice, "
+        "so all_gather the updated slices"
+    )
+    passed, hint = got["fully_shard_each"]
+    assert passed, hint
+    assert hint.startswith("3 layer units and the root; each rank holds ")
+    assert got["fully_shard_root_only"][1].startswith(
+        "0, 2, 4 are not an FSDP unit of its own: fully_shard each layer before the model"
+    )
+
+
+def test_sizing_by_hand_needs_no_pool(capsys):
+    import nbpar.exercises as ex
+
+    assert ex.check("memory", answers.memory)
+    assert capsys.readouterr().out.startswith("model memory by hand: passed: 2 + 2 + 12 = 16 B")
+    fp32 = ex.check("memory", answers.memory_fp32)
+    assert fp32.hint.startswith("that is fp32 training's 4 + 4 + 8 B")
+    flat = ex.check("memory", answers.memory_unsharded)
+    assert flat.hint == (
+        "1e+09 parameters, 8 ranks, ZeRO stage 1: your optim is 1.2e+10 B a rank, the ZeRO "
+        "paper's 1.5e+09 B (stage 1 splits it over the 8 ranks)"
+    )
+    time = ex.check("training_time", answers.training_time)
+    assert time and time.hint.endswith("at 40% MFU is 50B tokens")
+    assert ex.check("training_time", answers.training_time_forward_only).hint.startswith(
+        "you counted the forward pass only (2 N D)"
+    )
+
+
+def _check_gpipe(rank, world, answer):
+    import nbpar.exercises as ex
+
+    v = ex.check("gpipe", getattr(answers, answer), timeout=3)
+    return v.passed, v.hint
+
+
+@pytest.mark.parametrize(
+    "answer, passed, hint",
+    [
+        ("gpipe", True, "both stages' gradients equal one process's; 4 micro-batches each way"),
+        ("gpipe_undivided", False, "stage 0's gradients are 4x one step's: divide each"),
+        (
+            "gpipe_no_grads_back",
+            False,
+            "stage 1 made 4 sends and receives where GPipe makes 2m = 8 (4 activations one "
+            "way, 4 gradients back): does it receive every micro-batch, and send back each",
+        ),
+        (
+            "gpipe_never_receives",  # both stages then wait in their first send
+            False,
+            "a send or recv waited 3 s with nobody answering: does stage 1 receive every",
+        ),
+    ],
+)
+def test_a_two_stage_gpipe(answer, passed, hint):
+    results = run_distributed(_check_gpipe, 2, answer)
+    assert results[0] == results[1]
+    assert results[0][0] is passed and results[0][1].startswith(hint), results[0]
