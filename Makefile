@@ -73,6 +73,12 @@ notebooks: setup
 	$(PY) -m jupyter nbconvert --to notebook --execute --inplace \
 	    --ExecutePreprocessor.timeout=300 --ExecutePreprocessor.record_timing=False $(NOTEBOOKS)
 
+# The notebooks without their solutions (cells tagged `solution`), outputs cleared, in
+# student/: what a workshop hands out.
+.PHONY: student
+student: setup
+	$(PY) scripts/student.py --out student
+
 demo: setup
 	@mkdir -p .tmp artifacts
 	$(PY) -m jupyter nbconvert --to notebook --execute notebooks/00_quickstart.ipynb \

@@ -28,6 +28,8 @@ _LAZY = {
     "project": ("nbpar.project", None),
     "days_to_train": ("nbpar.hardware", "days_to_train"),
     "hardware": ("nbpar.hardware", None),
+    # exercises checked on the pool: nbpar.exercises.check("ring_all_reduce", fn)
+    "exercises": ("nbpar.exercises", None),
     "EngineDied": ("nbpar.errors", "EngineDied"),
     "DistTimeout": ("nbpar.errors", "DistTimeout"),
     "RankError": ("nbpar.errors", "RankError"),

@@ -73,15 +73,15 @@ def mean_all_reduce(t):
 def all_reduce_from_halves(t):
     world = dist.get_world_size()
     part = torch.empty(t.numel() // world)
-    dist.reduce_scatter_tensor(part, t)
-    dist.all_gather_into_tensor(t, part)
+    dist.reduce_scatter_single(part, t)
+    dist.all_gather_single(t, part)
     return t
 
 
 def halves_without_gather(t):
     """Wrong: the reduce-scatter alone."""
     part = torch.empty(t.numel() // dist.get_world_size())
-    dist.reduce_scatter_tensor(part, t)
+    dist.reduce_scatter_single(part, t)
     return t
 
 
@@ -201,7 +201,7 @@ def zero1_step(flat_params, flat_grad, lr):
     opt = torch.optim.Adam([mine], lr=lr)
     opt.step()
     out = torch.empty_like(flat_params)
-    dist.all_gather_into_tensor(out, mine.detach())
+    dist.all_gather_single(out, mine.detach())
     return out, opt
 
 

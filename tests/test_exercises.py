@@ -239,7 +239,9 @@ def test_sizing_by_hand_needs_no_pool(capsys):
         "paper's 1.5e+09 B (stage 1 splits it over the 8 ranks)"
     )
     time = ex.check("training_time", answers.training_time)
-    assert time and time.hint.endswith("at 40% MFU is 50B tokens")
+    assert time and time.hint.endswith(
+        "take 11.1 days on one A100 at 40% MFU, and 28 days are 50B tokens"
+    )
     assert ex.check("training_time", answers.training_time_forward_only).hint.startswith(
         "you counted the forward pass only (2 N D)"
     )

@@ -83,12 +83,18 @@ def check_training_time(fn):
         else:
             problems.append(f"fn{case} = {got:.4g} s, 6 N D / (gpus x peak x MFU) = {want:.4g} s")
         break
+    from nbpar.hardware import days_to_train
+
+    chinchilla = days_to_train(1e9, 20e9, "A100-80GB", gpus=1, utilisation=0.4)
+    if not problems and abs(float(fn(1e9, 20e9, 1, 312e12, 0.4)) / 86400 - chinchilla) > 1e-3:
+        problems.append(f"nbpar.days_to_train says {chinchilla:.1f} days for 1B on 20B tokens")
     days = 28
     tokens = days * 86400 * 312e12 * 0.4 / 6e9
     return first_problem(
         "training time by hand",
         problems,
-        f"6 N D / (gpus x peak x MFU); so 1B parameters for {days} days on one A100 "
-        f"(312 TFLOP/s bf16) at 40% MFU is {tokens / 1e9:.0f}B tokens",
+        f"6 N D / (gpus x peak x MFU), as nbpar.days_to_train: 1B parameters on 20B tokens "
+        f"take {chinchilla:.1f} days on one A100 at 40% MFU, and {days} days are "
+        f"{tokens / 1e9:.0f}B tokens",
         {},
     )

@@ -192,6 +192,99 @@ assert last < first / 3
 # %%
 nbpar.view.plots.plot_losses(run, labels=["ddp, 2 ranks"])
 
+# %% [markdown]
+# ## Exercises: write it yourself
+#
+# Complete the function between `BEGIN SOLUTION` and `END SOLUTION` (the student
+# version, `make student`, has `raise NotImplementedError` there) and run the cell:
+# `nbpar.exercises.check` runs your function on every rank, compares it with torch's own
+# result and with what nbpar's c10d meter saw, and rank 0 answers `passed` or the one
+# thing to look at.
+#
+# **1 · A ring all-reduce from send and recv.** Split the tensor into N chunks; in N-1
+# steps each rank sends one chunk to its right neighbour and adds the one it receives
+# from its left (a reduce-scatter), then in N-1 more steps passes the finished chunks on
+# (an all-gather). Each rank sends 2(N-1)/N of the tensor: the reason ring all-reduce's
+# cost hardly grows with N.
+
+# %% tags=["solution"]
+# %%dist
+import torch, torch.distributed as dist, nbpar.exercises
+
+
+def ring_all_reduce(t):
+    # BEGIN SOLUTION
+    rank, world = dist.get_rank(), dist.get_world_size()
+    chunks = list(t.chunk(world))
+    right, left = (rank + 1) % world, (rank - 1) % world
+    buf = torch.empty_like(chunks[0])
+    for step in range(world - 1):  # reduce-scatter
+        req = dist.isend(chunks[(rank - step) % world].contiguous(), right)
+        dist.recv(buf, left)
+        req.wait()
+        chunks[(rank - step - 1) % world] += buf
+    for step in range(world - 1):  # all-gather of the finished chunks
+        req = dist.isend(chunks[(rank + 1 - step) % world].contiguous(), right)
+        dist.recv(buf, left)
+        req.wait()
+        chunks[(rank - step) % world].copy_(buf)
+    return t
+    # END SOLUTION
+
+
+assert nbpar.exercises.check("ring_all_reduce", ring_all_reduce)
+
+# %% [markdown]
+# **2 · All-reduce = reduce-scatter + all-gather.** The same sum from two collectives:
+# `dist.reduce_scatter_single` leaves each rank the sum of its 1/N slice,
+# `dist.all_gather_single` brings the slices back. ZeRO is built on exactly this split.
+
+# %% tags=["solution"]
+# %%dist
+def all_reduce_from_halves(t):
+    # BEGIN SOLUTION
+    part = torch.empty(t.numel() // dist.get_world_size())
+    dist.reduce_scatter_single(part, t)
+    dist.all_gather_single(t, part)
+    return t
+    # END SOLUTION
+
+
+assert nbpar.exercises.check("all_reduce_from_halves", all_reduce_from_halves)
+
+# %% [markdown]
+# **3 · A DistributedSampler by hand.** Return the indices `rank` reads in `epoch`:
+# shuffle all `n` with a generator seeded `seed + epoch` (what `set_epoch` does), pad to a
+# multiple of the world size with the first indices, take every `world`-th from `rank`.
+
+# %% tags=["solution"]
+# %%dist
+def shard_indices(n, rank, world, epoch, seed):
+    # BEGIN SOLUTION
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    order += order[: -(-n // world) * world - n]
+    return order[rank::world]
+    # END SOLUTION
+
+
+assert nbpar.exercises.check("shard_indices", shard_indices)
+
+# %% [markdown]
+# **4 · DDP by hand.** After `loss.backward()`, make every parameter's gradient the mean
+# over ranks: what DDP's hooks do, bucket by bucket, during backward.
+
+# %% tags=["solution"]
+# %%dist
+def average_gradients(model):
+    # BEGIN SOLUTION
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+    # END SOLUTION
+
+
+assert nbpar.exercises.check("average_gradients", average_gradients)
+
 # %%
 pool.shutdown()
 

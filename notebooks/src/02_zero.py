@@ -332,6 +332,77 @@ print(f"deepspeed zero3 bf16, rank 0: params {m['param_bytes']} B, optimizer {m[
 print(f"estimate (mixed precision, offload): params {est.per_rank_bytes['params']:.0f} B on the "
       f"device, optimizer {est.per_rank_bytes['host']:.0f} B on the host")
 
+# %% [markdown]
+# ## Exercises: ZeRO by hand
+#
+# Complete each function between `BEGIN SOLUTION` and `END SOLUTION` (`make student`
+# removes them) and run its cell; `nbpar.exercises.check` answers on every rank.
+#
+# **1 · ZeRO-1.** One Adam step on a flat parameter vector, the ZeRO-1 way: an Adam over
+# this rank's 1/N slice only (so it keeps 1/N of the states), then an all-gather of the
+# updated slices. Return the full vector and the optimizer.
+
+# %% tags=["solution"]
+# %%dist
+import torch, torch.distributed as dist, nbpar.exercises
+
+
+def zero1_step(flat_params, flat_grad, lr):
+    # BEGIN SOLUTION
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n = flat_params.numel() // world
+    mine = flat_params[rank * n : (rank + 1) * n].clone().requires_grad_()
+    mine.grad = flat_grad[rank * n : (rank + 1) * n].clone()
+    opt = torch.optim.Adam([mine], lr=lr)
+    opt.step()
+    out = torch.empty_like(flat_params)
+    dist.all_gather_single(out, mine.detach())
+    return out, opt
+    # END SOLUTION
+
+
+assert nbpar.exercises.check("zero1_step", zero1_step)
+
+# %% [markdown]
+# **2 · FSDP2.** Shard a model with `fully_shard`: each `Linear` a unit of its own
+# first, then the model. Each unit is gathered only while it computes, so the peak holds
+# one layer whole, not all of them.
+
+# %% tags=["solution"]
+# %%dist
+from torch.distributed.fsdp import fully_shard
+
+
+def shard(model):
+    # BEGIN SOLUTION
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    return fully_shard(model)
+    # END SOLUTION
+
+
+assert nbpar.exercises.check("fully_shard", shard)
+
+# %% [markdown]
+# **3 · Memory by hand.** Bytes a rank holds for mixed-precision (bf16) Adam training,
+# by ZeRO stage: bf16 parameters and gradients (2 + 2 B), an fp32 master copy, momentum
+# and variance (12 B); stage 1 splits the optimizer states over the ranks, stage 2 the
+# gradients too, stage 3 the parameters too. Checked against `nbpar.estimate_memory`
+# (in this process: no pool needed).
+
+# %% tags=["solution"]
+def memory(n_params, world, stage):
+    # BEGIN SOLUTION
+    split = {part: world if stage >= s else 1 for part, s in
+             (("params", 3), ("grads", 2), ("optim", 1))}
+    per_param = {"params": 2, "grads": 2, "optim": 12}
+    return {part: per_param[part] * n_params / split[part] for part in per_param}
+    # END SOLUTION
+
+
+assert nbpar.exercises.check("memory", memory)
+
 # %%
 pool.shutdown()
 

@@ -187,6 +187,49 @@ Markdown(
     f"sends weigh; `benchmarks/pipeline_bubble.py` repeats this at a size where compute "
     f"dominates, and the gap shrinks.")
 
+# %% [markdown]
+# ## Exercise: a two-stage GPipe by hand
+#
+# Rank 0 holds the first stage (Linear + ReLU) and the input micro-batches, rank 1 the
+# last Linear and the targets. Run every micro-batch forward through both stages
+# (`dist.send` / `dist.recv` of the activations on `group`), then every backward (rank 1
+# sends each boundary gradient back), each micro-batch's MSE divided by their number.
+# The checker compares both stages' gradients with one process's on the whole batch and
+# names a stage that never receives. `make student` removes the solution.
+
+# %% tags=["solution"]
+# %%dist
+import torch, torch.distributed as dist, nbpar.exercises
+
+
+def gpipe(stage, rank, data, group):
+    # BEGIN SOLUTION
+    m = len(data)
+    if rank == 0:
+        outs = []
+        for x in data:
+            h = stage(x)
+            dist.send(h.detach().contiguous(), 1, group=group)
+            outs.append(h)
+        for h in outs:
+            g = torch.empty_like(h)
+            dist.recv(g, 1, group=group)
+            h.backward(g)
+        return
+    inputs, losses = [], []
+    for y in data:
+        h = torch.empty(y.shape[0], stage.in_features)
+        dist.recv(h, 0, group=group)
+        inputs.append(h.requires_grad_())
+        losses.append(torch.nn.functional.mse_loss(stage(h), y) / m)
+    for h, loss in zip(inputs, losses):
+        loss.backward()
+        dist.send(h.grad, 0, group=group)
+    # END SOLUTION
+
+
+assert nbpar.exercises.check("gpipe", gpipe)
+
 # %%
 pool.shutdown()
 

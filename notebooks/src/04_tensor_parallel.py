@@ -191,6 +191,30 @@ print(f"Megatron's 4 per block: {megatron:.0f} B; with the 2 for separate q, k, 
       f"{model_says:.0f} B")
 assert set(sent) == {"all_reduce"} and abs(sent["all_reduce"] / model_says - 1) < 0.1
 
+# %% [markdown]
+# ## Exercise: a column- then a row-parallel linear
+#
+# `w1_shard` holds this rank's rows of W1 (column parallel: its share of the hidden
+# features), `w2_shard` the matching columns of W2 (row parallel). Compute the MLP
+# `relu(x @ W1.T) @ W2.T` with one all-reduce in the right place: the ReLU works on the
+# shard as it is, and only the row-parallel output is a partial sum. `make student`
+# removes the solution.
+
+# %% tags=["solution"]
+# %%dist
+import torch, torch.distributed as dist, nbpar.exercises
+
+
+def tp_mlp(x, w1_shard, w2_shard):
+    # BEGIN SOLUTION
+    y = torch.relu(x @ w1_shard.T) @ w2_shard.T
+    dist.all_reduce(y)
+    return y
+    # END SOLUTION
+
+
+assert nbpar.exercises.check("tp_mlp", tp_mlp)
+
 # %%
 pool.shutdown()
 

@@ -217,6 +217,28 @@ nbpar.view.plots.plot_loss_difference(pptp_losses, ppdp_losses,
 # matrices. In a real cluster the tp pairs would sit on one node, the pipeline stages
 # on different nodes.
 
+# %% [markdown]
+# ## Exercise: a dp x tp DeviceMesh
+#
+# Build the 2-D mesh a hybrid run trains on: shape (dp, tp), dimensions named "dp" and
+# "tp", tp the inner one so a tp group's ranks are consecutive (one node's GPUs, where
+# the links are fast). The checker reads the groups back. `make student` removes the
+# solution.
+
+# %% tags=["solution"]
+# %%dist
+import nbpar.exercises
+from torch.distributed.device_mesh import init_device_mesh
+
+
+def mesh(dp, tp):
+    # BEGIN SOLUTION
+    return init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    # END SOLUTION
+
+
+assert nbpar.exercises.check("mesh", mesh)
+
 # %%
 pool.shutdown()
 

@@ -255,6 +255,26 @@ print(f"28 days would need {28 / one * 20:.0f}B tokens at 0.4, or utilisation "
       f"{0.4 * one / 28:.2f} for 20B tokens")
 
 # %% [markdown]
+# ## Exercise: training time by hand
+#
+# Training costs about 6 N D FLOPs (2 in the forward pass, 4 in the backward, per
+# parameter and token); at `mfu` of `gpus` GPUs' peak, how many seconds? The checker
+# compares your formula with nbpar's and says what the tutorial's "28 days on one A100"
+# means in tokens. (In this process; `make student` removes the solution.)
+
+# %% tags=["solution"]
+import nbpar.exercises
+
+
+def training_time(n_params, tokens, gpus, peak_flops, mfu):
+    # BEGIN SOLUTION
+    return 6 * n_params * tokens / (gpus * peak_flops * mfu)
+    # END SOLUTION
+
+
+assert nbpar.exercises.check("training_time", training_time)
+
+# %% [markdown]
 # **Takeaway.**
 #
 # - Fake tensors and a fake process group ran the real strategy code at sizes this

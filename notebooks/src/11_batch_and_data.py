@@ -185,6 +185,35 @@ print(f"16x the batch with 16x the lr and warm-up ends {(k16 - small) / (warm - 
 #   give as a target is no rule: the batch that trains well depends on the model and
 #   the data (McCandlish et al. 2018, *An Empirical Model of Large-Batch Training*).
 
+# %% [markdown]
+# ## Exercise: gradient accumulation with `no_sync`
+#
+# Run forward and backward on each micro-batch so that the gradients equal one step on
+# all of them at once (each loss divided by their number), with DDP's all-reduce only
+# after the last: `model.no_sync()` around the others. `make student` removes the part
+# between `BEGIN SOLUTION` and `END SOLUTION`.
+
+# %%
+# %load_ext nbpar
+
+# %% tags=["solution"]
+# %%dist
+import contextlib
+import torch, nbpar.exercises
+
+
+def accumulate(model, micro_batches):
+    # BEGIN SOLUTION
+    k = len(micro_batches)
+    for i, (x, y) in enumerate(micro_batches):
+        last = i == k - 1
+        with contextlib.nullcontext() if last else model.no_sync():
+            (torch.nn.functional.mse_loss(model(x), y) / k).backward()
+    # END SOLUTION
+
+
+assert nbpar.exercises.check("accumulate", accumulate)
+
 # %%
 pool.shutdown()
 
