@@ -74,7 +74,10 @@ print(f"A slice {tuple(A_r.shape)}, B slice {tuple(B_r.shape)}: all-reduced resu
 #
 # Attention is split by heads: `wq`, `wk`, `wv` column-wise (each rank gets
 # `n_heads / tp` whole heads), the output projection `wo` row-wise. The MLP: `w1` (up)
-# column-wise, `w2` (down) row-wise. For `d_model = 32`, 4 heads, FFN width 128, tp = 2:
+# column-wise, `w2` (down) row-wise. (An `nn.Linear` stores its weight as (out, in),
+# the transpose of the `X @ A` above: a column-wise split of `A` is a split of the
+# stored weight's rows, which is why the placements printed below read `Shard(dim=0)`
+# for the column-parallel layers and `Shard(dim=1)` for the row-parallel ones.) For `d_model = 32`, 4 heads, FFN width 128, tp = 2:
 
 # %%
 nbpar.view.teaching.plot_tp_split(d_model=32, ffn_dim=128, tp=2)

@@ -170,7 +170,9 @@ pool.shutdown()
 # - DDP, ZeRO-1 and ZeRO-2 computed the same losses within 1e-5; tensor parallelism, with half
 #   their global batch here, did not.
 # - The bytes each rank holds and sends are exact, and each strategy's matched its model
-#   (within the asserted 10% for the bytes sent): ZeRO shards the states at the cost of
-#   extra traffic, tensor parallelism sends activations instead of gradients.
+#   (within the asserted 10% for the bytes sent): ZeRO-2 shards the optimizer states and
+#   gradients and still sends what DDP sends (a reduce-scatter and an all-gather move
+#   what one all-reduce moves); ZeRO-1 as torch implements it sends more; tensor
+#   parallelism sends activations instead of gradients.
 # - Step time and exposed communication are timings: `nbpar.compare` shows them next to
 #   the bytes, unchecked.

@@ -73,7 +73,9 @@ assert gap < 1e-5
 
 # %% [markdown]
 # What does not fit is refused in one line, before any engine works: the first batch
-# goes through the model (on the meta device: shapes only) in this kernel.
+# goes through the model in this kernel, first on the meta device (shapes only, no
+# weights); when that pass fails it runs once more with real weights, so the message
+# below is torch's own from that second pass.
 
 # %% tags=["raises-exception"]
 # NBVAL_RAISES_EXCEPTION
@@ -152,8 +154,9 @@ pool.shutdown()
 #
 # - Functions defined in the notebook travel to the engines by value; ZeRO-3 on 2 ranks
 #   gave the single-process losses.
-# - A data set that does not fit the model was refused in one line, from a pass on the
-#   meta device in the kernel, before any engine worked.
+# - A data set that does not fit the model was refused in one line, from a first batch
+#   through the model in the kernel (meta device, then real weights for the message),
+#   before any engine worked.
 # - The 100M-parameter Llama trained to the same losses under DDP and ZeRO-3, ZeRO-3
 #   holding half the bytes per rank, as the estimate said.
 # - Tensor and pipeline parallelism need the model's blocks: `hf:llama` brings its own

@@ -283,9 +283,12 @@ assert nbpar.exercises.check("training_time", training_time)
 # - By simulation, the ZeRO paper's baseline and P_os+g+p came out as in the paper;
 #   PyTorch's ZeRO-1 held more than P_os (autocast keeps fp32 weights and gradients) and
 #   FSDP2's ZeRO-2 less than P_os+g between steps.
-# - Llama 3 70B on dp 32 x tp 8 x pp 4 peaked under 80 GB on every stage, the first
-#   stage holding the most activations, as 1F1B predicts; the end stages carry the
-#   embedding and the head whole.
+# - Llama 3 70B on dp 32 x tp 8 x pp 4 peaked under 80 GB on every stage, at 512-token
+#   sequences and 4 micro-batches of one sequence: a short sequence, and with m = 4 on
+#   p = 4 stages a bubble of (p-1)/(m+p-1) = 43% of the step; real runs use longer
+#   sequences (more activations) and more micro-batches (less bubble). The first stage
+#   held the most activations, as 1F1B predicts; the end stages carry the embedding and
+#   the head whole.
 # - A simulation answers whether a layout fits and what it sends before any cluster time
 #   is spent.
 # - `nbpar.project` turned the same layouts into estimated step times on real GPUs, each
