@@ -16,6 +16,8 @@
 # %% [markdown]
 # # 00 · Quickstart: a pool of engines, one process group
 #
+# **Time:** about 20 minutes ([the workshop day](../docs/workshop.md)).
+#
 # `nbpar.Pool(2)` starts two ipyparallel engines and joins them into one
 # `torch.distributed` process group (gloo on CPU, nccl with one engine per GPU).
 # `%%dist` then runs a cell on every rank; the output of each rank is grouped under

@@ -16,6 +16,8 @@
 # %% [markdown]
 # # 01 · Distributed data parallel, cell by cell
 #
+# **Time:** about 50 minutes, 25 of them exercises ([the workshop day](../docs/workshop.md)).
+#
 # The classic PyTorch DDP recipe, typed into `%%dist` cells that run on every rank of
 # a 2-engine pool: a small CNN, CIFAR-10 data read by its real loader, a
 # `DistributedSampler` that gives each rank its own shard, logging from rank 0 only,

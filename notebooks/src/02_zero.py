@@ -16,6 +16,8 @@
 # %% [markdown]
 # # 02 · ZeRO: sharding what data parallelism copies
 #
+# **Time:** about 50 minutes, 20 of them exercises ([the workshop day](../docs/workshop.md)).
+#
 # DDP keeps a full copy of the parameters, the gradients and the optimizer states on
 # every rank. ZeRO (Rajbhandari et al. 2020) shards them over the data-parallel ranks
 # instead: stage 1 the optimizer states, stage 2 also the gradients, stage 3 also the

@@ -16,6 +16,8 @@
 # %% [markdown]
 # # 03 · Pipeline parallelism: GPipe, 1F1B and interleaved schedules
 #
+# **Time:** about 35 minutes, 15 of them exercises ([the workshop day](../docs/workshop.md)).
+#
 # Pipeline parallelism cuts the model into consecutive *stages*, one per rank, and
 # streams micro-batches through them. A rank waits while the pipeline fills and drains:
 # that idle time is the **bubble**. With `p` stages and `m` micro-batches per step,

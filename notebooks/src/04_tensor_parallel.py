@@ -16,6 +16,8 @@
 # %% [markdown]
 # # 04 · Tensor parallelism: splitting the matrices of a transformer block
 #
+# **Time:** about 30 minutes, 10 of them exercises ([the workshop day](../docs/workshop.md)).
+#
 # Data parallelism copies the whole model to every rank. When one layer is too big for
 # one device, Megatron-LM (Shoeybi et al. 2019) splits the *matrices inside each layer*
 # instead: every rank holds a slice of each weight and computes a slice of each

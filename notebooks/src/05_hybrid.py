@@ -16,6 +16,8 @@
 # %% [markdown]
 # # 05 · Hybrid parallelism: data x tensor x pipeline on one device mesh
 #
+# **Time:** about 30 minutes, 10 of them exercises ([the workshop day](../docs/workshop.md)).
+#
 # Large runs combine all three: tensor parallelism inside a node (it communicates in
 # every layer and needs the fastest links), pipeline stages across nodes (only
 # activations at stage boundaries cross the network), and data parallelism (with ZeRO)

@@ -16,6 +16,8 @@
 # %% [markdown]
 # # 06 · Three pitfalls of distributed training, measured
 #
+# **Time:** about 30 minutes ([the workshop day](../docs/workshop.md)).
+#
 # 1. **A tiny global batch** makes the loss jump around; gradient accumulation fixes it
 #    at the cost of time, and of some memory under every strategy (measured below).
 # 2. **A starved data loader** leaves the model waiting for data; worker processes,

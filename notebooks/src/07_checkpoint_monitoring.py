@@ -16,6 +16,8 @@
 # %% [markdown]
 # # 07 · Checkpoints and monitoring: save, kill, resume, export
 #
+# **Time:** about 25 minutes ([the workshop day](../docs/workshop.md)).
+#
 # Long runs die: a node fails, a job hits its time limit, someone presses stop. A
 # checkpoint keeps everything needed to continue *exactly*: model and optimizer state
 # (sharded the way the strategy shards them), each rank's random generator, and where

@@ -16,6 +16,8 @@
 # %% [markdown]
 # # 08 · Strategy explorer: pick, run, compare
 #
+# **Time:** about 20 minutes ([the workshop day](../docs/workshop.md)).
+#
 # `nbpar.StrategyPicker(pool)` is a form of widgets that builds a `TrainConfig`, says
 # *why* a combination cannot run before you launch it, and trains it on the pool with a
 # live dashboard. `nbpar.compare([...])` then puts finished runs side by side: memory

@@ -16,6 +16,8 @@
 # %% [markdown]
 # # 09 · Your own model
 #
+# **Time:** about 25 minutes ([the workshop day](../docs/workshop.md)).
+#
 # The strategies of the earlier notebooks are not tied to nbpar's teaching models.
 # `TrainConfig(model=...)` also takes a function that returns an `nn.Module` (with
 # `dataset=` and `loss=`), a `"package.module:function"` string, or a Hugging Face

@@ -16,6 +16,8 @@
 # %% [markdown]
 # # 10 · Scale up: simulate the cluster you don't have
 #
+# **Time:** about 30 minutes, 5 of them exercises ([the workshop day](../docs/workshop.md)).
+#
 # The questions worth asking are about 64 GPUs and 70B models; the machine at hand has a
 # few CPU cores. `nbpar.simulate` answers them with the real strategy code instead of a
 # formula: it builds the model on *fake tensors* (shapes and dtypes, no memory), joins a

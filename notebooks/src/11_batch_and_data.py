@@ -16,6 +16,8 @@
 # %% [markdown]
 # # 11 · Large global batches and feeding them
 #
+# **Time:** about 35 minutes, 10 of them exercises ([the workshop day](../docs/workshop.md)).
+#
 # **Goal.** Two things every data-parallel run meets once it grows:
 #
 # 1. **The learning rate of a large global batch.** More ranks (or more accumulation)

@@ -16,6 +16,11 @@
 # %% [markdown]
 # # 12 · From notebook to cluster: torchrun, monitoring, export for inference
 #
+# **Time:** about 35 minutes ([the workshop day](../docs/workshop.md)).
+#
+# **Goal:** take the notebooks' recipe to a cluster job and its tools: torchrun, Slurm,
+# monitoring, and a checkpoint ready for inference.
+#
 # Three steps that come after the notebooks: **A** the DDP recipe as a standalone
 # `torchrun` script, as a cluster job runs it, checked against `pool.train`; **B**
 # monitoring a run the way the tutorial lists it (GPU utilisation and memory, memory that

@@ -16,6 +16,8 @@
 # %% [markdown]
 # # 13 · Recap: the blueprint, and which strategy when
 #
+# **Time:** about 20 minutes ([the workshop day](../docs/workshop.md)).
+#
 # **Goal:** put the tutorial back together. First the architecture end to end, from a
 # notebook cell to the figure that comes back, drawn from the objects of one real run:
 # which backend, how many ranks, which strategy module, what each rank held and sent.
