@@ -241,6 +241,22 @@ def rss_bytes(pid: int | None = None) -> int | None:
         return None
 
 
+def bytes_written() -> int | None:
+    """Bytes this process has written, as the kernel counts them (``wchar`` of
+    /proc/self/io; None where unreadable). gloo sends over TCP sockets with write calls,
+    so its change around a collective is what this rank put on the wire (plus gloo's
+    message headers, a few hundred bytes, and anything else written meanwhile). NCCL
+    over NVLink or InfiniBand writes no socket: there it says nothing."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("wchar:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def peak_rss_bytes() -> int:
     """Highest RSS this process reached (getrusage: KiB on Linux, bytes on macOS)."""
     import resource
