@@ -48,7 +48,7 @@ class LocalSlurm:
 
     def __init__(self, folder):
         self.dir = str(folder)
-        self.host = socket.gethostname()
+        self.host = socket.gethostname().split(".")[0]  # slurmd names its node so
         self.conf = os.path.join(self.dir, "slurm.conf")
         self.pids: dict[str, int] = {}
         self._env = None
