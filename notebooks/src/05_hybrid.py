@@ -123,6 +123,31 @@ print(tp8.table(), end="\n\n")
 print(tp8pp16.table())
 
 # %% [markdown]
+# The pipelined layout holds *more* per GPU (its ZeRO-1 keeps whole parameters and
+# gradients of its stage). It is chosen for what crosses the network each step, per GPU,
+# with bf16 parameters and gradients (2 bytes): ZeRO-3 all-gathers its parameters in
+# forward and again in backward and reduce-scatters the gradients over 128 replicas on
+# other nodes; ZeRO-1 over 8 replicas moves its stage's gradients once (the ZeRO paper's
+# 2 Psi), and the stages pass each micro-batch's boundary activations forward and their
+# gradients back (split by the 8 tp ranks, sequence parallel):
+
+# %%
+psi, tp, pp, gpus = 175e9, 8, 16, 1024
+dp_zero3, dp_pp = gpus // tp, gpus // (tp * pp)
+zero3_net = 3 * 2 * psi / tp * (dp_zero3 - 1) / dp_zero3
+zero1_net = 2 * 2 * psi / (tp * pp) * (dp_pp - 1) / dp_pp
+boundary = activations["batch"] * activations["seq_len"] * activations["hidden"] * 2 / tp
+pipe_net = 2 * 16 * boundary  # 16 micro-batches: activations forward, gradients back
+print(f"TP8 x ZeRO-3:        {zero3_net / 1e9:6.1f} GB a GPU a step across nodes, "
+      f"{tp8.per_rank_bytes['total'] / 1e9:.1f} GB held")
+print(f"TP8 x PP16 x ZeRO-1: {(zero1_net + pipe_net) / 1e9:6.1f} GB ({zero1_net / 1e9:.1f} "
+      f"gradients + {pipe_net / 1e9:.1f} activations), "
+      f"{tp8pp16.per_rank_bytes['total'] / 1e9:.1f} GB held")
+print(f"the pipelined layout sends {zero3_net / (zero1_net + pipe_net):.0f}x less")
+assert zero3_net > 20 * (zero1_net + pipe_net)
+assert tp8pp16.per_rank_bytes["total"] > tp8.per_rank_bytes["total"]
+
+# %% [markdown]
 # Both layouts hold the same activations per GPU, and this is no accident: without
 # stages a GPU keeps all 96 layers of one micro-batch; with 16 stages it keeps 96/16 = 6
 # layers, but of up to 16 micro-batches in flight (1F1B's first stage), again 96
@@ -250,9 +275,11 @@ pool.shutdown()
 # - `ParallelDims` refuses degrees that do not multiply to the world size and lays out
 #   tp fastest, so a tensor-parallel group is neighbouring ranks (one node on GPUs); the
 #   4-engine mesh printed each rank's tp and dp group.
-# - The estimator's tables give the rule by scale: data parallelism with ZeRO-1 for a
-#   few billion parameters, TP inside the node and ZeRO-3 across nodes for tens of
-#   billions, pipeline stages added for hundreds of billions.
+# - The estimator's tables, and a count of what crosses the network, give the rule by
+#   scale: data parallelism with ZeRO-1 for a few billion parameters, TP inside the node
+#   and ZeRO-3 across nodes for tens of billions, pipeline stages added for hundreds of
+#   billions: for 175B they hold more per GPU than TP8 x ZeRO-3 (42 against 37 GB) but
+#   send 26 times fewer bytes across nodes each step.
 # - At GPT-3 size activations, not model states, fill the GPU; sequence parallelism and
 #   activation checkpointing move them the most, and checkpointing's saving was measured
 #   on the tiny model.
