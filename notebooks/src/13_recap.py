@@ -232,22 +232,28 @@ comparison
 # bytes per step stay 1.5x DDP's whatever `N`. The ZeRO paper (Rajbhandari et al. 2020,
 # Fig. 1) takes a 7.5B-parameter model on 64 devices with mixed-precision Adam (16 bytes
 # a parameter): 120 GB per device under DDP, 31.4 with optimizer states sharded, 16.6
-# with gradients too, 1.9 with parameters too. The estimator, with the bytes each
-# device sends per step (16-bit gradients, PyTorch's accounting as measured above).
-# These are the paper's memory figures; notebook 10 simulates PyTorch's own
-# implementations at this size, where `ZeroRedundancyOptimizer` holds more than P_os.
+# with gradients too, 1.9 with parameters too. Below, the estimator's memory is the
+# paper's, and beside it what each device sends per step (16-bit gradients) twice: by
+# the paper's algorithm (2 Psi, ZeRO-3 3 Psi), and by PyTorch's implementations, as
+# measured above (its ZeRO-1 all-reduces and broadcasts, 3 Psi). Notebook 10 simulates
+# PyTorch's own implementations' memory at this size, where `ZeroRedundancyOptimizer`
+# holds more than P_os.
 
 # %%
 big, devices = 7.5e9, 64
 ddp_sent = comm_bytes_per_step("ddp", param_bytes=2 * big, dp=devices)
 scale = {}
+ring = (devices - 1) / devices * 2 * big  # one pass of the 16-bit parameters, ring
+print("memory: the paper's; last two columns: bytes sent per step, the paper's algorithm, "
+      "then torch's")
 for name in ("ddp", "zero1", "zero2", "zero3"):
     states = estimate_memory(big, devices, name, precision="mixed").per_rank_bytes["total"]
+    paper = (3 if name == "zero3" else 2) * ring
     sent = comm_bytes_per_step(name, param_bytes=2 * big, dp=devices, backend="torch")
     scale[name] = states
     print(f"{name:6s} {states / GB:6.1f} GB per device ({states / scale['ddp']:5.1%} of DDP), "
-          f"fits 80 GB: {states < 80 * GB!s:5s}  sends {sent / GB:5.1f} GB/step "
-          f"({sent / ddp_sent:.1f}x DDP)")
+          f"fits 80 GB: {states < 80 * GB!s:5s}  {paper / GB:5.1f} GB ({paper / ddp_sent:.1f}x)"
+          f"  {sent / GB:5.1f} GB ({sent / ddp_sent:.1f}x)")
 for name in ("tp", "pipeline"):
     states = estimate_memory(big, 8, name, precision="mixed").per_rank_bytes["total"]
     print(f"{name:8s} over 8 devices: {states / GB:5.1f} GB per device")
