@@ -72,12 +72,26 @@ def roughness(losses):
 for name, run in (("global batch 2 ", run_small), ("global batch 32", run_accum)):
     losses = run.result()["losses"]
     print(f"{name}: last loss {losses[-1]:.2f}, step-to-step roughness {roughness(losses):.2f}")
-nbpar.view.plots.plot_losses([run_small, run_accum],
-                        labels=["micro 1 x accum 1 x dp 2", "micro 1 x accum 16 x dp 2"])
+# against samples seen, the axis on which the two runs compare (as notebook 11 plots)
+from matplotlib.figure import Figure
+
+ax = Figure(figsize=(7, 3), layout="constrained").add_subplot()
+for label, run, batch in (("micro 1 x accum 1 x dp 2", run_small, 2),
+                          ("micro 1 x accum 16 x dp 2", run_accum, 32)):
+    losses = run.result()["losses"]
+    ax.plot([batch * (i + 1) for i in range(len(losses))], losses, label=label, lw=1.2)
+ax.set_xscale("log")
+ax.set_xlabel("samples seen")
+ax.set_ylabel("loss")
+ax.set_title("training loss, 30 steps each", fontsize="medium")
+ax.legend(fontsize="small")
+ax.figure
 
 # %% [markdown]
-# With 2 samples per step every step follows the noise of two images; 32 samples average
-# most of it out and the loss goes down steadily. With DDP the first 15 micro-batches run
+# Per step, with 2 samples every step follows the noise of two images (the roughness
+# printed above); 32 samples average most of it out. Against samples seen the two runs
+# are not the same length: in its 30 steps the small batch has seen 60 samples, the
+# large one 960, so the figure puts each loss where its data ran out. With DDP the first 15 micro-batches run
 # under `no_sync()`, so there is still only **one** all-reduce per optimizer step.
 #
 # Each micro-batch's loss is scaled by `1/K` before its backward, so the gradients that
