@@ -267,5 +267,10 @@ def days_to_train(
     else:
         device, default = lookup(hardware).device, lookup(hardware).gpus
     gpus = positive_int("gpus", default if gpus is None else gpus)
-    seconds = 6 * params * tokens / (gpus * device.bf16_tflops * 1e12 * utilisation)
-    return seconds / 86400
+    return training_seconds(params, tokens, gpus, device.bf16_tflops * 1e12, utilisation) / 86400
+
+
+def training_seconds(params, tokens, gpus, peak_flops, utilisation) -> float:
+    """6 N D FLOPs (2 in forward, 4 in backward a parameter and token) on ``gpus`` of
+    ``peak_flops`` each at ``utilisation`` of it: perfect scaling, no communication."""
+    return 6 * params * tokens / (gpus * peak_flops * utilisation)

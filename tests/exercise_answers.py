@@ -193,15 +193,19 @@ def mesh_swapped(dp, tp):
     return m
 
 
-def zero1_step(flat_params, flat_grad, lr):
+def zero1_step(flat_params, flat_grad, lr, *, gather=True):
     rank, world = dist.get_rank(), dist.get_world_size()
     n = flat_params.numel() // world
     mine = flat_params[rank * n : (rank + 1) * n].clone().requires_grad_()
     mine.grad = flat_grad[rank * n : (rank + 1) * n].clone()
     opt = torch.optim.Adam([mine], lr=lr)
     opt.step()
-    out = torch.empty_like(flat_params)
-    dist.all_gather_single(out, mine.detach())
+    if gather:
+        out = torch.empty_like(flat_params)
+        dist.all_gather_single(out, mine.detach())
+    else:  # wrong: steps its slice and never gathers the others'
+        out = flat_params.clone()
+        out[rank * n : (rank + 1) * n] = mine.detach()
     return out, opt
 
 
@@ -216,15 +220,7 @@ def zero1_whole_adam(flat_params, flat_grad, lr):
 
 def zero1_no_gather(flat_params, flat_grad, lr):
     """Wrong: steps its slice and never gathers the others'."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    n = flat_params.numel() // world
-    mine = flat_params[rank * n : (rank + 1) * n].clone().requires_grad_()
-    mine.grad = flat_grad[rank * n : (rank + 1) * n].clone()
-    opt = torch.optim.Adam([mine], lr=lr)
-    opt.step()
-    out = flat_params.clone()
-    out[rank * n : (rank + 1) * n] = mine.detach()
-    return out, opt
+    return zero1_step(flat_params, flat_grad, lr, gather=False)
 
 
 def fully_shard_each(model):

@@ -16,6 +16,8 @@ import socket
 import subprocess
 import time
 
+from tests.distributed import free_port
+
 #: what the machine needs, with the fix; None when it has it
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scancel", "sinfo")
 #: CPUs the node says it has: more engines than cores, as a CPU pool runs them
@@ -33,12 +35,6 @@ def missing() -> str | None:
             f"run `sh scripts/install_cluster.sh` (Debian slurm-wlm, munge)"
         )
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalSlurm:
@@ -103,8 +99,8 @@ class LocalSlurm:
             [
                 "ClusterName=nbpartest",
                 f"SlurmctldHost={self.host}(127.0.0.1)",
-                f"SlurmctldPort={_free_port()}",
-                f"SlurmdPort={_free_port()}",
+                f"SlurmctldPort={free_port()}",
+                f"SlurmdPort={free_port()}",
                 "AuthType=auth/munge",
                 "CredType=cred/munge",
                 f"AuthInfo=socket={sock}",

@@ -99,10 +99,7 @@ def check(name: str, fn, **options) -> Verdict:
     if name not in LOCAL and not dist.is_initialized():
         raise RuntimeError("exercises run on the pool's ranks: check them in a %%dist cell")
     module, checker, _ = EXERCISES[name]
-    verdict = getattr(importlib.import_module(f"nbpar.exercises.{module}"), checker)(fn, **options)
-    if name in LOCAL:
-        print(verdict)
-    return verdict
+    return getattr(importlib.import_module(f"nbpar.exercises.{module}"), checker)(fn, **options)
 
 
 __all__ = ["EXERCISES", "Verdict", "check"]

@@ -10,12 +10,7 @@ D_IN, HIDDEN, D_OUT, BATCH = 8, 16, 4, 8
 
 
 def _model():
-    import torch
-
-    torch.manual_seed(3)
-    return torch.nn.Sequential(
-        torch.nn.Linear(D_IN, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, D_OUT)
-    )
+    return runner.mlp(D_IN, HIDDEN, D_OUT, seed=3)
 
 
 def _data():

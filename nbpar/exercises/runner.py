@@ -36,11 +36,25 @@ def gather(facts: dict) -> list[dict]:
 
 
 def announce(verdict) -> None:
-    """Rank 0 prints the verdict (a `%%dist` cell shows it once)."""
+    """Rank 0 prints the verdict (a `%%dist` cell shows it once); without a process
+    group (the sizing exercises, in the notebook's own process) it is printed here."""
     import torch.distributed as dist
 
-    if dist.get_rank() == 0:
+    if not dist.is_initialized() or dist.get_rank() == 0:
         print(verdict)
+
+
+def mlp(*widths: int, seed: int = 0):
+    """Linear layers of ``widths`` with ReLUs between, the same weights on every rank
+    (as DDP's first broadcast makes them), drawn without touching the learner's RNG."""
+    import torch
+
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        layers = []
+        for a, b in zip(widths, widths[1:]):
+            layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+        return torch.nn.Sequential(*layers[:-1])
 
 
 def errors(facts: list[dict]) -> list[str]:

@@ -4,6 +4,7 @@ training time from FLOPs (6 N D) against the same formula the projections use.""
 
 from __future__ import annotations
 
+from nbpar.exercises import runner
 from nbpar.exercises.verdict import first_problem
 
 STAGES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
@@ -45,26 +46,25 @@ def check_memory(fn):
                 )
             )
         break
-    return first_problem(
+    verdict = first_problem(
         "model memory by hand",
         problems,
         "2 + 2 + 12 = 16 B a parameter, split over ranks as each ZeRO stage says: "
         "what nbpar.estimate_memory says",
         {},
     )
-
-
-def reference_seconds(n_params, tokens, gpus, peak_flops, mfu) -> float:
-    """6 N D FLOPs (2 forward, 4 backward a parameter and token) at mfu of the peak."""
-    return 6 * n_params * tokens / (gpus * peak_flops * mfu)
+    runner.announce(verdict)
+    return verdict
 
 
 def check_training_time(fn):
     """``fn(n_params, tokens, gpus, peak_flops, mfu)`` returns the seconds training takes."""
+    from nbpar.hardware import days_to_train, training_seconds
+
     problems = []
     cases = [(1e9, 20e9, 1, 312e12, 0.4), (7e9, 1e12, 64, 989e12, 0.45), (1e8, 1e9, 8, 1e14, 0.3)]
     for case in cases:
-        want = reference_seconds(*case)
+        want = training_seconds(*case)
         try:
             got = float(fn(*case))
         except Exception as e:
@@ -83,14 +83,12 @@ def check_training_time(fn):
         else:
             problems.append(f"fn{case} = {got:.4g} s, 6 N D / (gpus x peak x MFU) = {want:.4g} s")
         break
-    from nbpar.hardware import days_to_train
-
     chinchilla = days_to_train(1e9, 20e9, "A100-80GB", gpus=1, utilisation=0.4)
     if not problems and abs(float(fn(1e9, 20e9, 1, 312e12, 0.4)) / 86400 - chinchilla) > 1e-3:
         problems.append(f"nbpar.days_to_train says {chinchilla:.1f} days for 1B on 20B tokens")
     days = 28
     tokens = days * 86400 * 312e12 * 0.4 / 6e9
-    return first_problem(
+    verdict = first_problem(
         "training time by hand",
         problems,
         f"6 N D / (gpus x peak x MFU), as nbpar.days_to_train: 1B parameters on 20B tokens "
@@ -98,3 +96,5 @@ def check_training_time(fn):
         f"{tokens / 1e9:.0f}B tokens",
         {},
     )
+    runner.announce(verdict)
+    return verdict

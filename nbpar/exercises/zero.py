@@ -75,16 +75,7 @@ def _unpack(result):
 
 
 def _mlp():
-    import torch
-
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(8, 32),
-        torch.nn.ReLU(),
-        torch.nn.Linear(32, 32),
-        torch.nn.ReLU(),
-        torch.nn.Linear(32, 4),
-    )
+    return runner.mlp(8, 32, 32, 4)
 
 
 def check_fully_shard(fn, steps: int = 3):
