@@ -86,8 +86,9 @@ demo: setup
 	@echo "Executed notebook with outputs: artifacts/00_quickstart.ipynb"
 	@echo "Open the notebooks in JupyterLab with: make lab"
 
+# as root (a container), Jupyter refuses to start without --allow-root
 lab: setup
-	$(PY) -m jupyter lab --ip 127.0.0.1 --no-browser notebooks
+	$(PY) -m jupyter lab --ip 127.0.0.1 --no-browser $(if $(filter 0,$(shell id -u)),--allow-root) notebooks
 
 bench: setup
 	$(PY) -m nbpar bench launch --engines 2 --json
