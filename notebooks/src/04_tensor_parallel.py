@@ -85,21 +85,30 @@ print(f"A slice {tuple(A_r.shape)}, B slice {tuple(B_r.shape)}: all-reduced resu
 nbpar.view.teaching.plot_tp_split(d_model=32, ffn_dim=128, tp=2)
 
 # %% [markdown]
-# `nbpar.parallel.tensor.apply_tp(model, tp_mesh)` applies that plan with PyTorch's
-# DTensor (`ColwiseParallel` / `RowwiseParallel`). The mesh comes from `ParallelDims`:
-# here all ranks form one tensor-parallel group. Each rank now stores only its shard:
+# PyTorch applies such a plan with `parallelize_module`: a dict from submodule to
+# `ColwiseParallel()` or `RowwiseParallel()`, over a one-dimensional `DeviceMesh` of
+# the tensor-parallel ranks. Each weight becomes a `DTensor` and each rank now stores
+# only its shard. Type the plan, apply it to every block:
 
 # %%
 # %%dist
-from nbpar.config import GPTConfig, TrainConfig
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from nbpar.config import TrainConfig
 from nbpar.model.models import build_model
-from nbpar.dims import ParallelDims
-from nbpar.parallel.tensor import apply_tp
 
-cfg = TrainConfig(model="tiny_gpt", strategy="tp", gpt=GPTConfig(d_model=32, n_heads=4))
-mesh = ParallelDims(tp=world, world_size=world).build_mesh("cpu")
+cfg = TrainConfig(model="tiny_gpt", strategy="tp", micro_batch=8, steps=20, lr=3e-3, seed=0)
+tp_mesh = init_device_mesh("cpu", (world,))   # all ranks: one tensor-parallel group
+plan = {
+    "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+    "attn.wo": RowwiseParallel(),             # heads in, partial sums out: all-reduced
+    "ffn.w1": ColwiseParallel(),
+    "ffn.w2": RowwiseParallel(),              # the MLP's one all-reduce in forward
+}
 reference = build_model(cfg)                  # the unsplit model (same seed on every rank)
-model = apply_tp(build_model(cfg), mesh["tp"])
+model = build_model(cfg)
+for block in model.layers.values():
+    parallelize_module(block, tp_mesh, plan)
 
 block = model.layers["0"]
 for name in ("attn.wq", "attn.wo", "ffn.w1", "ffn.w2"):
@@ -129,20 +138,54 @@ torch.testing.assert_close(g, ref_g)
 print(f"logits match, loss {loss_fn(out).item():.2f}; wq grad shard {tuple(g.shape)} matches")
 
 # %% [markdown]
-# ## Training with `strategy="tp"`
+# ## Training: your split, then `strategy="tp"`
 #
-# `pool.train` runs the same split (every rank sees the *same* batch: tensor
-# parallelism divides the model, not the data). Its losses match the one-process
-# reference `strategy="single"` on the same batch, step for step.
+# Every rank reads the *same* batch: tensor parallelism divides the model, not the
+# data. The optimizer gets `foreach=False`: the split weights are DTensors, the
+# embeddings and norms plain tensors, and torch's default multi-tensor Adam cannot step
+# both kinds in one call. Twenty steps on a freshly split model:
+
+# %%
+# %%dist
+from nbpar.model.data import build_loader
+from nbpar.model.models import next_token_loss
+
+model = build_model(cfg)
+for block in model.layers.values():
+    parallelize_module(block, tp_mesh, plan)
+optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, foreach=False)
+tp_losses = []
+for step, (x, y) in zip(range(cfg.steps), build_loader(cfg, dp_rank=0, dp_size=1)):
+    loss = next_token_loss(model(x), y)      # the same on every rank: the batch is
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    tp_losses.append(loss.item())
+if rank == 0:
+    print("losses:", [round(v, 2) for v in tp_losses[::5]])
+
+# %% [markdown]
+# `pool.train` runs the same split on the same batches. Its losses equal yours, and
+# both match the one-process reference `strategy="single"`, step for step:
 
 # %%
 common = dict(model="tiny_gpt", micro_batch=8, steps=20, lr=3e-3, seed=0)
 run_tp = pool.train(nbpar.TrainConfig(strategy="tp", **common)).wait()
 run_single = pool.train(nbpar.TrainConfig(strategy="single", **common)).wait()
 tp_losses, single_losses = run_tp.result()["losses"], run_single.result()["losses"]
+
+
+def your_losses():
+    return tp_losses  # runs on an engine, in its namespace
+
+
+typed = pool.run(your_losses)[0]
+print("yours  :", [round(x, 2) for x in typed[:: 5]])
 print("tp     :", [round(x, 2) for x in tp_losses[:: 5]])
 print("single :", [round(x, 2) for x in single_losses[:: 5]])
-print("max difference below 1e-4:", max(abs(a - b) for a, b in zip(tp_losses, single_losses)) < 1e-4)
+gaps = [max(abs(a - b) for a, b in zip(other, single_losses)) for other in (typed, tp_losses)]
+print("yours and tp within 1e-5 of single at every step:", max(gaps) < 1e-5)
+assert len(typed) == len(tp_losses) == len(single_losses) == 20 and max(gaps) < 1e-5
 
 # %% [markdown]
 # Two identical curves would hide each other, so the right panel plots their difference:
