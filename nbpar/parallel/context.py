@@ -1,0 +1,224 @@
+"""Context parallelism: attention over a sequence split across the ``cp`` ranks of a group.
+
+Each rank holds ``s / cp`` tokens of every sequence. Two ways to attend over all of them:
+
+- **Ulysses** (Jacobs et al. 2023, DeepSpeed-Ulysses): an all-to-all turns the
+  sequence-split q, k, v into head-split ones (every rank: all ``s`` tokens of
+  ``h / cp`` heads), ordinary attention runs on them, and a second all-to-all turns
+  the output back. Four all-to-alls per attention in forward (q, k, v, out) and four in
+  backward, each moving ``(cp - 1) / cp`` of its tensor; the heads must divide by cp.
+- **Ring** (Liu et al. 2023, Ring Attention): q stays; the K/V blocks travel around the
+  ring, each rank attending to the block it holds while the next one is on its way, the
+  partial results merged with an online softmax (their log-sum-exp). Forward sends
+  ``cp - 1`` K/V block pairs a rank; backward sends them again, and the gradients of
+  each block travel with it, ``cp`` dK/dV pairs (the last hop brings them home). With a
+  causal mask a contiguous split leaves the last rank the most work, so the tokens are
+  dealt in the zigzag order (`zigzag_positions`): rank r holds chunks r and 2cp-1-r of
+  2cp, the same amount of unmasked work on every rank.
+
+Tensors are (batch, heads, local tokens, head dim); ``positions`` are the global
+positions of this rank's tokens, which the causal mask compares.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+ATTENTIONS = ("ring", "ulysses")
+
+
+def zigzag_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """The global positions rank ``rank`` holds in the zigzag split: chunks ``rank`` and
+    ``2 cp - 1 - rank`` of ``2 cp`` equal chunks (``seq_len`` must divide by 2 cp)."""
+    if seq_len % (2 * cp):
+        raise ValueError(
+            f"ring attention deals the sequence in 2 x cp = {2 * cp} chunks: seq_len "
+            f"{seq_len} does not divide by {2 * cp}"
+        )
+    c = seq_len // (2 * cp)
+    first, second = rank * c, (2 * cp - 1 - rank) * c
+    return torch.cat([torch.arange(first, first + c), torch.arange(second, second + c)])
+
+
+def contiguous_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """The global positions of rank ``rank``'s contiguous share (what Ulysses splits)."""
+    if seq_len % cp:
+        raise ValueError(f"context parallel: seq_len {seq_len} does not divide by cp = {cp}")
+    c = seq_len // cp
+    return torch.arange(rank * c, (rank + 1) * c)
+
+
+# ---- Ulysses -----------------------------------------------------------------------------
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single over the first dimension (one slot per rank); its own adjoint."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.contiguous()  # the slots laid out one after another, as the op reads them
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)
+        dist.all_to_all_single(out, grad, group=ctx.group)
+        return out, None
+
+
+def _seq_to_heads(x: torch.Tensor, cp: int, group) -> torch.Tensor:
+    """(b, h, s/cp, d) sequence-split -> (b, h/cp, s, d) head-split."""
+    b, h, s_local, d = x.shape
+    slots = x.reshape(b, cp, h // cp, s_local, d).transpose(0, 1)  # slot j: rank j's heads
+    got = _AllToAll.apply(slots, group)  # slot j: my heads of rank j's tokens
+    return got.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s_local, d)
+
+
+def _heads_to_seq(x: torch.Tensor, cp: int, group) -> torch.Tensor:
+    """(b, h/cp, s, d) head-split -> (b, h, s/cp, d) sequence-split."""
+    b, h_local, s, d = x.shape
+    slots = x.reshape(b, h_local, cp, s // cp, d).permute(2, 0, 1, 3, 4)  # slot j: j's tokens
+    got = _AllToAll.apply(slots, group)  # slot j: rank j's heads of my tokens
+    return got.transpose(0, 1).reshape(b, cp * h_local, s // cp, d)
+
+
+def ulysses_attention(q, k, v, group=None, *, causal: bool = True) -> torch.Tensor:
+    """Attention of this rank's contiguous share of tokens over the whole sequence, by
+    two all-to-alls around an ordinary attention (see module doc)."""
+    cp = dist.get_world_size(group)
+    if q.shape[1] % cp:
+        raise ValueError(
+            f"Ulysses splits the heads over cp = {cp} ranks: {q.shape[1]} heads do not "
+            f"divide by {cp} (use attention='ring', or a cp that divides the heads)"
+        )
+    q, k, v = (_seq_to_heads(t, cp, group) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return _heads_to_seq(out, cp, group)
+
+
+# ---- Ring --------------------------------------------------------------------------------
+
+
+def _exchange(tensors, group, rank: int, cp: int) -> tuple[list[torch.Tensor], list]:
+    """Send ``tensors`` to the next rank of the ring and start receiving the previous
+    rank's: (the tensors being received, the works to wait for)."""
+    right, left = (rank + 1) % cp, (rank - 1) % cp
+    tensors = [t.contiguous() for t in tensors]
+    got = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t, group=group, group_peer=right) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=left) for t in got]
+    return got, dist.batch_isend_irecv(ops)
+
+
+def _scores(q, k, q_pos, k_pos, scale):
+    """Masked scores of q against one K block; None where the mask hides all of it."""
+    mask = q_pos[:, None] >= k_pos[None, :]
+    if not bool(mask.any()):
+        return None
+    return (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, positions, group, seq_len):
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        scale = q.shape[-1] ** -0.5
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+        block = (k, v)
+        for step in range(cp):
+            if step < cp - 1:  # the next block travels while this one is computed
+                incoming, works = _exchange(block, group, rank, cp)
+            owner = (rank - step) % cp
+            s = _scores(q, block[0], positions, zigzag_positions(seq_len, cp, owner), scale)
+            if s is not None:
+                blk_lse = torch.logsumexp(s, dim=-1)
+                safe = torch.where(torch.isinf(blk_lse), torch.zeros_like(blk_lse), blk_lse)
+                blk_out = torch.exp(s - safe[..., None]) @ block[1]
+                new_lse = torch.logaddexp(lse, blk_lse)
+                # the first block is this rank's own, which holds every query's diagonal:
+                # lse is finite from then on, so the weights below are never inf - inf
+                out = (
+                    out * torch.exp(lse - new_lse)[..., None]
+                    + blk_out * torch.exp(blk_lse - new_lse).nan_to_num(0.0)[..., None]
+                )
+                lse = new_lse
+            if step < cp - 1:
+                for w in works:
+                    w.wait()
+                block = tuple(incoming)
+        ctx.save_for_backward(q, k, v, out, lse, positions)
+        ctx.group, ctx.seq_len = group, seq_len
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, positions = ctx.saved_tensors
+        group = ctx.group
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        scale = q.shape[-1] ** -0.5
+        delta = (grad_out * out).sum(dim=-1, keepdim=True)
+        dq = torch.zeros_like(q)
+        block = (k, v)
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)  # of the block held, travelling
+        for step in range(cp):
+            owner = (rank - step) % cp
+            s = _scores(q, block[0], positions, zigzag_positions(ctx.seq_len, cp, owner), scale)
+            if s is not None:
+                p = torch.exp(s - lse[..., None])
+                dv = dv + p.transpose(-1, -2) @ grad_out
+                ds = p * (grad_out @ block[1].transpose(-1, -2) - delta)
+                dq = dq + ds @ block[0] * scale
+                dk = dk + ds.transpose(-1, -2) @ q * scale
+            if cp == 1:
+                break
+            # pass the block on with its gradients; after the last step only the gradients
+            # move, one hop home to their owner
+            send = (*block, dk, dv) if step < cp - 1 else (dk, dv)
+            got, works = _exchange(send, group, rank, cp)
+            for w in works:
+                w.wait()
+            if step < cp - 1:
+                block, (dk, dv) = tuple(got[:2]), got[2:]
+            else:
+                dk, dv = got
+        return dq, dk, dv, None, None, None
+
+
+def ring_attention(q, k, v, group=None, *, seq_len: int | None = None) -> torch.Tensor:
+    """Causal attention of this rank's zigzag share of tokens over the whole sequence,
+    the K/V blocks passed around the ring (see module doc). ``seq_len`` is the whole
+    sequence's length (default: cp x the local length)."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    seq_len = seq_len if seq_len is not None else cp * q.shape[-2]
+    positions = zigzag_positions(seq_len, cp, rank)
+    if positions.numel() != q.shape[-2]:
+        raise ValueError(
+            f"ring attention: this rank holds {q.shape[-2]} tokens where the zigzag split "
+            f"of {seq_len} over cp = {cp} gives {positions.numel()}"
+        )
+    return _RingAttention.apply(q, k, v, positions, group, seq_len)
+
+
+def context_attention(kind: str, q, k, v, group=None) -> torch.Tensor:
+    """``ring_attention`` or ``ulysses_attention`` by name."""
+    if kind == "ring":
+        return ring_attention(q, k, v, group)
+    if kind == "ulysses":
+        return ulysses_attention(q, k, v, group)
+    raise ValueError(f"attention={kind!r} is not supported; choose {', '.join(ATTENTIONS)}")
+
+
+def local_positions(kind: str, seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """The global positions of the tokens rank ``rank`` holds under ``kind``'s split."""
+    if kind == "ring":
+        return zigzag_positions(seq_len, cp, rank)
+    if kind == "ulysses":
+        return contiguous_positions(seq_len, cp, rank)
+    raise ValueError(f"attention={kind!r} is not supported; choose {', '.join(ATTENTIONS)}")

@@ -1,0 +1,85 @@
+"""Context-parallel attention on real gloo processes: ring (zigzag) and Ulysses each equal
+one process's causal attention over the whole sequence, forward and backward, and send
+the bytes their algorithms say."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import run_distributed
+
+B, H, S, D = 2, 4, 16, 8
+
+
+def _full(seed: int = 0):
+    """q, k, v over the whole sequence and an upstream gradient, the same on every rank."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, S, D, generator=g, dtype=torch.float64) for _ in range(4)]
+
+
+def _attend(rank, world, kind):
+    import torch.nn.functional as F
+
+    from nbpar.measure.comm import CommMeter
+    from nbpar.parallel.context import context_attention, local_positions
+
+    q, k, v, grad = _full()
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*full, is_causal=True)
+    want.backward(grad)
+    pos = local_positions(kind, S, world, rank)
+    mine = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
+    with CommMeter() as meter:
+        out = context_attention(kind, *mine)
+        out.backward(grad[:, :, pos])
+    errors = {"out": (out - want[:, :, pos]).abs().max().item()}
+    for name, t, ref in zip("qkv", mine, full):
+        errors[f"d{name}"] = (t.grad - ref.grad[:, :, pos]).abs().max().item()
+    return errors, meter.by_op(), meter.calls
+
+
+@pytest.mark.parametrize("kind", ["ring", "ulysses"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_attention_equals_one_process(kind, cp):
+    block = B * H * (S // cp) * D * 8  # one rank's q (or k, or v) in bytes, fp64
+    for errors, by_op, _ in run_distributed(_attend, cp, kind):
+        assert max(errors.values()) < 1e-10, errors
+        if kind == "ulysses":
+            # 4 all-to-alls forward (q, k, v, out), 4 backward, each (cp-1)/cp of a block
+            assert set(by_op) == {"all_to_all"}, by_op
+            assert by_op["all_to_all"] == pytest.approx(8 * block * (cp - 1) / cp)
+        else:
+            # forward: cp-1 K/V pairs; backward: cp-1 K/V pairs and cp dK/dV pairs
+            assert set(by_op) == {"send_recv"}, by_op
+            assert by_op["send_recv"] == pytest.approx(2 * block * (2 * (cp - 1) + cp))
+
+
+def test_bad_splits_are_refused_in_one_line():
+    from nbpar.parallel.context import contiguous_positions, zigzag_positions
+
+    with pytest.raises(ValueError, match="does not divide by 8"):
+        zigzag_positions(20, 4, 0)
+    with pytest.raises(ValueError, match="does not divide by cp = 3"):
+        contiguous_positions(16, 3, 0)
+    assert zigzag_positions(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert zigzag_positions(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+
+
+def _few_heads(rank, world):
+    import torch
+
+    from nbpar.parallel.context import ulysses_attention
+
+    q = torch.zeros(1, 3, 4, 8)
+    try:
+        ulysses_attention(q, q, q)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_ulysses_refuses_heads_that_do_not_divide():
+    for said in run_distributed(_few_heads, 2):
+        assert said is not None and "3 heads do not divide by 2" in said
