@@ -20,7 +20,7 @@ if __name__ == "__main__":
     try:
         with LocalSlurm(folder):
             subprocess.run(
-                ["make", "notebooks", "NOTEBOOKS=notebooks/12_cluster_monitoring_export.ipynb"],
+                ["make", "notebooks", "NOTEBOOKS=notebooks/12_torchrun_and_slurm.ipynb"],
                 cwd=ROOT,
                 env={**os.environ, "NBPAR_STORE_SLURM_RUN": "1"},
                 check=True,

@@ -24,7 +24,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 ENVIRONMENT = ROOT / "environment.yml"
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
 #: Modules whose distribution has another name (when it is not installed here to ask).
 MODULE_DIST = {
     "IPython": "ipython",
@@ -213,7 +213,7 @@ def test_a_notebook_needing_what_the_environment_lacks_is_caught(installed):
     narrow = closure(listed(ENVIRONMENT.read_text().replace("[lab,monitor,hf,test]", "[lab]")))
     assert missing({"cells": [hf]}, narrow) == {"transformers"}
     assert missing({"cells": [hf]}, installed) == set()
-    path = ROOT / "notebooks" / "12_cluster_monitoring_export.ipynb"
+    path = ROOT / "notebooks" / "12b_monitoring_and_export.ipynb"
     lacking = missing(json.loads(path.read_text()), narrow)
     assert {"tensorboard", "wandb", "safetensors"} <= lacking
 
@@ -246,7 +246,7 @@ def readme_needs() -> dict[str, set[str]]:
     """The "needs" column of the README's notebook table, per notebook."""
     out = {}
     for line in (ROOT / "README.md").read_text().splitlines():
-        m = re.match(r"^\| \[(\d\d_\w+)\]\(notebooks/\1\.ipynb\) \|.*\| ([^|]*) \|$", line)
+        m = re.match(r"^\| \[(\d\d[a-z]?_\w+)\]\(notebooks/\1\.ipynb\) \|.*\| ([^|]*) \|$", line)
         if m:
             cell = m.group(2)
             extras = {e for group in re.findall(r"`\[([\w,]+)\]`", cell) for e in group.split(",")}
@@ -259,4 +259,4 @@ def test_the_readme_says_what_each_notebook_needs():
     assert set(said) == {p.stem for p in NOTEBOOKS}
     found = {p.stem: extras_needed(json.loads(p.read_text())) for p in NOTEBOOKS}
     assert said == found
-    assert found["12_cluster_monitoring_export"] == {"monitor", "hf", "DeepSpeed"}
+    assert found["12b_monitoring_and_export"] == {"monitor", "hf", "DeepSpeed"}
