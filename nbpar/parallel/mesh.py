@@ -1,31 +1,62 @@
-"""The named DeviceMesh of a `nbpar.dims.ParallelDims` layout, one per layout per process
-group (its topology rules live in `nbpar.dims`)."""
+"""The named DeviceMesh of a `nbpar.dims.ParallelDims` layout (its topology rules live in
+`nbpar.dims`): the last layout's mesh is kept for the next run of the same layout, and a
+run of another layout releases its communicators first."""
 
 from __future__ import annotations
 
 from nbpar.dims import ParallelDims
 
-# Process-wide registry (one per engine process): the mesh of each layout, for the life
-# of the default process group.
+# Process-wide (one per engine process): the mesh of the layout used last, under the key
+# (shape, device type, default group). At most one entry.
 _MESHES: dict = {}
 
 
 def cached_mesh(dims: ParallelDims, device_type: str):
-    """One DeviceMesh per layout for the life of the process group.
+    """The DeviceMesh of ``dims``: the previous run's when the layout is the same,
+    otherwise a new one, after `release_meshes` destroyed the previous layout's groups.
 
-    Destroying a mesh's sub-groups after a run breaks the next mesh of the same
-    layout (DTensor resolves groups by registered name); keeping one mesh per
-    layout costs a few sub-groups and nothing per run. `nbpar.pool.worker.leave` clears
-    it when the default group goes away.
+    One layout at a time bounds what the meshes hold (on GPUs, every NCCL communicator
+    has its own buffers) to the layout in use, while re-running a cell of the same
+    layout builds nothing. A model or optimizer of an earlier run of another layout
+    cannot communicate any more: its groups are gone.
     """
     import torch.distributed as dist
 
     key = (dims.shape, device_type, id(dist.group.WORLD))
     if key not in _MESHES:
+        release_meshes()
         _MESHES[key] = dims.build_mesh(device_type)
     return _MESHES[key]
 
 
-def forget_meshes() -> None:
-    """Drop cached meshes (their groups die with the default process group)."""
+def release_meshes() -> None:
+    """Destroy the cached mesh's sub-groups (a dimension that spans the whole world uses
+    the default group, which stays), and forget DTensor's shardings that name them."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    for mesh in _MESHES.values():
+        names = mesh.mesh_dim_names or ()
+        groups = {id(g): g for g in (mesh.get_group(n) for n in names)}.values()
+        for group in groups:
+            if group is not dist.group.WORLD and group in c10d._world.pg_map:
+                dist.destroy_process_group(group)
+    if _MESHES:
+        forget_shardings()
     _MESHES.clear()
+
+
+def forget_meshes() -> None:
+    """Drop cached meshes without destroying anything: their groups die with the default
+    process group, which the caller is about to destroy."""
+    _MESHES.clear()
+
+
+def forget_shardings() -> None:
+    """Drop DTensor's sharding caches: their entries hold the meshes they were computed
+    on, whose groups a later mesh of the same shape must not be handed."""
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _gen_transform_infos.cache_clear()

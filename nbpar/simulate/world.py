@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import warnings
 
+from nbpar.parallel.mesh import forget_shardings
+
 
 def check_free() -> None:
     """Refuse, in one line, to replace a process group this process already runs."""
@@ -48,12 +50,3 @@ def fake_rank(rank: int, dims, device_type: str = "cpu"):
         dist.destroy_process_group()
         forget_shardings()
 
-
-def forget_shardings() -> None:
-    """Drop DTensor's sharding caches: their entries name the fake mesh's groups, which
-    the next rank (or a real run in this process) must not find."""
-    from torch.distributed.tensor._redistribute import _gen_transform_infos
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    _clear_sharding_prop_cache()
-    _gen_transform_infos.cache_clear()
