@@ -260,3 +260,7 @@ def test_the_readme_says_what_each_notebook_needs():
     found = {p.stem: extras_needed(json.loads(p.read_text())) for p in NOTEBOOKS}
     assert said == found
     assert found["12b_monitoring_and_export"] == {"monitor", "hf", "DeepSpeed"}
+    readme = (ROOT / "README.md").read_text()
+    plain = sum(not needs for needs in found.values())
+    assert f"enough for {plain} of the {len(found)} notebooks" in readme
+    assert f"all {len(found)} run under nbval" in readme
