@@ -20,7 +20,7 @@ from nbpar.cli_args import (
 from nbpar.cli_compare import add_parsers as add_compare_parsers
 from nbpar.cli_compare import cmd_compare, cmd_project
 from nbpar.errors import PoolError, RankError, UsageError
-from nbpar.strategies import BACKENDS, SCHEDULES, STRATEGIES, engines_for
+from nbpar.strategies import ATTENTIONS, BACKENDS, SCHEDULES, STRATEGIES, engines_for
 
 
 def build_parser() -> Parser:
@@ -33,9 +33,10 @@ def build_parser() -> Parser:
     # when there is one, else from TrainConfig's defaults
     t.add_argument("--strategy", choices=STRATEGIES, default=None)
     t.add_argument("--backend", choices=BACKENDS, default=None)
-    for dim in ("dp", "tp", "pp"):
+    for dim in ("dp", "tp", "pp", "cp", "ep"):
         t.add_argument(f"--{dim}", type=positive_int, default=None)
     t.add_argument("--schedule", choices=SCHEDULES, default=None)
+    t.add_argument("--attention", choices=ATTENTIONS, default=None)
     t.add_argument(
         "--model",
         default=None,

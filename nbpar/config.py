@@ -17,7 +17,9 @@ from nbpar.checks import about, choice, positive_int
 from nbpar.dims import ParallelDims
 from nbpar.errors import ConfigError
 from nbpar.strategies import (
+    ATTENTIONS,
     BACKENDS,
+    DEFAULT_ATTENTION,
     DEFAULT_SCHEDULE,
     OFFLOADS,
     PIPELINED,
@@ -100,7 +102,7 @@ class TrainConfig:
     data_dir: str | None = None
     """where CIFAR-10 format files live; generated there (synthetic) when absent"""
     strategy: str = "ddp"
-    """single ddp zero1 zero2 zero3 pipeline tp hybrid"""
+    """single ddp zero1 zero2 zero3 pipeline tp hybrid cp ep"""
     backend: str = "torch"
     """"torch" (native DDP/ZeroRedundancyOptimizer/FSDP2/pipelining/DTensor) or "deepspeed\""""
     dp: int | None = None
@@ -109,8 +111,18 @@ class TrainConfig:
     """tensor-parallel degree; None = all engines for tp, else 1"""
     pp: int | None = None
     """pipeline stages; None = all engines for pipeline, else 1"""
+    cp: int | None = None
+    """context-parallel degree (ranks that split every sequence); None = all engines
+    for cp (less dp), else 1"""
+    ep: int | None = None
+    """expert-parallel degree (data-parallel ranks that share out the experts; divides
+    dp); None = every data-parallel rank for ep, else 1"""
+    attention: str = DEFAULT_ATTENTION
+    """how context parallelism attends over the split sequence: "ring" (K/V blocks passed
+    around the ranks) or "ulysses" (all-to-all to a split of the heads)"""
     schedule: str = DEFAULT_SCHEDULE
-    """pipeline schedule gpipe | 1f1b | interleaved; only pipeline/hybrid may change it"""
+    """pipeline schedule gpipe | 1f1b | interleaved | zbv | dualpipev; only
+    pipeline/hybrid may change it"""
     micro_batch: int = 8
     """samples per micro-batch on one data-parallel rank"""
     grad_accum: int = 1
@@ -171,10 +183,17 @@ class TrainConfig:
         return reshard_after_forward(self.strategy, self.fsdp_reshard)
 
     def dims(self, world_size: int) -> ParallelDims:
-        """The validated (pp, dp, tp) topology for ``world_size`` engines
+        """The validated (pp, dp, cp, tp) topology and ep for ``world_size`` engines
         (`nbpar.strategies.resolve_degrees`, with the splits this backend runs)."""
         return resolve_degrees(
-            self.strategy, world_size, self.dp, self.tp, self.pp, backend=self.backend
+            self.strategy,
+            world_size,
+            self.dp,
+            self.tp,
+            self.pp,
+            self.cp,
+            self.ep,
+            backend=self.backend,
         )
 
     def global_batch(self, world_size: int) -> int:
@@ -196,6 +215,7 @@ class TrainConfig:
             ("strategy", STRATEGIES),
             ("backend", BACKENDS),
             ("schedule", SCHEDULES),
+            ("attention", ATTENTIONS),
             ("precision", PRECISIONS),
             ("optimizer", OPTIMIZERS),
             ("offload", OFFLOADS),

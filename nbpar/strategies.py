@@ -1,5 +1,5 @@
 """Strategies and degrees: which strategies, backends and schedules exist, what each
-strategy splits, and the (dp, tp, pp) it gets on N engines.
+strategy splits, and the (dp, tp, pp, cp, ep) it gets on N engines.
 
 The one place for these rules: `TrainConfig.validate` and `TrainConfig.dims`, the memory
 estimator, the CLI and the StrategyPicker ask here, and the runners in `nbpar.parallel`
@@ -14,19 +14,29 @@ from nbpar.checks import choice, positive_int
 from nbpar.dims import ParallelDims
 from nbpar.errors import ConfigError
 
-STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "pipeline", "tp", "hybrid")
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "pipeline", "tp", "hybrid", "cp", "ep")
 BACKENDS = ("torch", "deepspeed")
 OFFLOADS = ("none", "optimizer", "params")
 DATA_PARALLEL = ("ddp", "zero1", "zero2", "zero3")
 #: the ZeRO stage (Rajbhandari et al. 2020) of each data-parallel strategy; ddp is stage 0
 ZERO_STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 PIPELINED = ("pipeline", "hybrid")
-DEEPSPEED_STRATEGIES = DATA_PARALLEL + PIPELINED
-GPT_ONLY = ("pipeline", "tp", "hybrid")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+DEEPSPEED_STRATEGIES = DATA_PARALLEL + PIPELINED + ("cp", "ep")
+GPT_ONLY = ("pipeline", "tp", "hybrid", "cp")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
 DEFAULT_SCHEDULE = "1f1b"
 INTERLEAVED_CHUNKS = 2  # model chunks per rank in the interleaved 1F1B schedule
-DEGREES = ("dp", "tp", "pp")
+#: schedules whose ranks each hold two model chunks in a V (stage r and 2p-1-r)
+V_SCHEDULES = ("zbv", "dualpipev")
+#: the zero-bubble schedules (Qi et al. 2023): backward split into input and weight parts
+ZERO_BUBBLE = V_SCHEDULES
+DEGREES = ("dp", "tp", "pp", "cp", "ep")
+#: the degrees whose product is the world size (ep is carved out of dp)
+WORLD_DEGREES = ("dp", "tp", "pp", "cp")
+ATTENTIONS = ("ring", "ulysses")
+DEFAULT_ATTENTION = "ring"
+#: models whose attention context parallelism replaces (it needs to know their positions)
+CP_MODELS = ("tiny_gpt", "hf:llama")
 #: the degree a strategy splits along, which takes the engines the other degrees leave
 OWN_DEGREE = {
     "ddp": "dp",
@@ -35,6 +45,8 @@ OWN_DEGREE = {
     "zero3": "dp",
     "pipeline": "pp",
     "tp": "tp",
+    "cp": "cp",
+    "ep": "dp",
 }
 HEAD_WORDS = {"heads": "attention heads", "kv_heads": "key/value heads"}
 #: strategies the torch backend runs with FSDP2 (`fully_shard`) when asked to
@@ -59,31 +71,48 @@ def reshard_after_forward(strategy: str, fsdp_reshard: bool | None) -> bool | No
     return None
 
 
-def check_degrees(strategy: str, dp=None, tp=None, pp=None) -> dict[str, int | None]:
-    """The degrees as given ({"dp", "tp", "pp"}: a positive integer or None), checked
-    against what holds on any number of engines."""
-    given = {k: positive_int(k, v, optional=True) for k, v in (("dp", dp), ("tp", tp), ("pp", pp))}
-    if strategy == "hybrid" and dp is None and tp is None and pp is None:
+def is_moe(model) -> bool:
+    """Whether ``model`` names a mixture-of-experts model (its name says "moe", or it is
+    a transformers MoE family), the kind expert parallelism splits."""
+    from nbpar.model.registry import MOE_MODELS
+
+    return isinstance(model, str) and ("moe" in model.lower() or model in MOE_MODELS)
+
+
+def check_degrees(
+    strategy: str, dp=None, tp=None, pp=None, cp=None, ep=None
+) -> dict[str, int | None]:
+    """The degrees as given ({"dp", "tp", "pp", "cp", "ep"}: a positive integer or None),
+    checked against what holds on any number of engines."""
+    values = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep}
+    given = {k: positive_int(k, v, optional=True) for k, v in values.items()}
+    if strategy == "hybrid" and all(given[k] is None for k in WORLD_DEGREES):
         raise ConfigError(
             "strategy 'hybrid' needs explicit degrees: set at least two of dp, "
-            "tp and pp so that dp x tp x pp equals the number of engines",
-            fields=DEGREES,
+            "tp, pp and cp so that dp x tp x pp x cp equals the number of engines",
+            fields=WORLD_DEGREES,
         )
     if strategy == "single":
         for k, v in given.items():
             if v not in (None, 1):
                 raise ConfigError(
-                    f"strategy 'single' requires dp=tp=pp=1, got {k}={v}", fields=(k, "strategy")
+                    f"strategy 'single' requires dp=tp=pp=cp=ep=1, got {k}={v}",
+                    fields=(k, "strategy"),
                 )
     return given
 
 
 def splits(strategy: str, backend: str) -> tuple[str, ...]:
     """The degrees nbpar runs ``strategy`` with on ``backend``: its own one; torch ZeRO
-    also over tensor-parallel shards (FSDP + TP, as torchtitan); hybrid pp x dp x tp
-    (DeepSpeed's PipelineModule: pp x dp)."""
+    also over tensor-parallel shards (FSDP + TP, as torchtitan); context parallel over
+    data-parallel replicas (dp x cp), expert parallel inside data parallel (ep of dp);
+    hybrid every degree (DeepSpeed's PipelineModule: pp x dp)."""
     if strategy == "hybrid":
         return ("pp", "dp") if backend == "deepspeed" else DEGREES
+    if strategy == "cp":
+        return ("cp", "dp")
+    if strategy == "ep":
+        return ("dp", "ep")
     own = OWN_DEGREE.get(strategy)
     if own is None:
         return ()
@@ -117,18 +146,28 @@ def _check_splits(strategy: str, backend: str, given: dict) -> None:
 
 
 def resolve_degrees(
-    strategy: str, world_size: int, dp=None, tp=None, pp=None, *, backend: str | None = None
+    strategy: str,
+    world_size: int,
+    dp=None,
+    tp=None,
+    pp=None,
+    cp=None,
+    ep=None,
+    *,
+    backend: str | None = None,
 ) -> ParallelDims:
-    """The (pp, dp, tp) topology of ``strategy`` on ``world_size`` engines.
+    """The (pp, dp, cp, tp) topology, and ep, of ``strategy`` on ``world_size`` engines.
 
-    The strategy's own degree (dp for ddp/zero*, pp for pipeline, tp for tp) takes what
-    the given others leave: zero3 with tp=2 on 8 engines is dp=4 x tp=2. 'single' is one
-    engine; 'hybrid' takes the degrees given, 1 where none is. The degrees multiply to
-    ``world_size``. ``backend`` None resolves any layout (the estimator's, as in the
-    papers); with a backend, only the splits nbpar runs on it (`splits`) pass.
+    The strategy's own degree (dp for ddp/zero*/ep, pp for pipeline, tp for tp, cp for
+    cp) takes what the given others leave: zero3 with tp=2 on 8 engines is dp=4 x tp=2.
+    'single' is one engine; 'hybrid' takes the degrees given, 1 where none is. dp, tp,
+    pp and cp multiply to ``world_size``; ep divides dp, and strategy 'ep' shares the
+    experts over every data-parallel rank unless ep says fewer. ``backend`` None resolves
+    any layout (the estimator's, as in the papers); with a backend, only the splits nbpar
+    runs on it (`splits`) pass.
     """
     world_size = positive_int("world_size", world_size)
-    given = check_degrees(strategy, **{"dp": dp, "tp": tp, "pp": pp})
+    given = check_degrees(strategy, dp, tp, pp, cp, ep)
     if backend is not None:
         _check_splits(strategy, backend, given)
     if engines_for(strategy, world_size) != world_size:
@@ -137,8 +176,12 @@ def resolve_degrees(
             fields=("strategy",),
         )
     own = OWN_DEGREE.get(strategy)
+    if strategy == "cp" and given["cp"] is not None and given["dp"] is None:
+        own = "dp"  # cp as given: data parallelism takes the engines it leaves
     if own is not None and given[own] is None:
-        others = {k: v for k, v in given.items() if k != own and v not in (None, 1)}
+        others = {
+            k: v for k, v in given.items() if k in WORLD_DEGREES and k != own and v not in (None, 1)
+        }
         product = math.prod(others.values())
         if world_size % product:
             named = " x ".join(f"{k}={v}" for k, v in others.items())
@@ -148,6 +191,8 @@ def resolve_degrees(
                 fields=tuple(others),
             )
         given[own] = world_size // product
+    if strategy == "ep" and given["ep"] is None:
+        given["ep"] = given["dp"]
     return ParallelDims(**{k: v or 1 for k, v in given.items()}, world_size=world_size)
 
 
@@ -167,7 +212,7 @@ def check_pipeline_schedule(
             f"raise grad_accum or use schedule='gpipe'",
             fields=("grad_accum", "schedule", "pp"),
         )
-    virtual = INTERLEAVED_CHUNKS if schedule == "interleaved" else 1
+    virtual = INTERLEAVED_CHUNKS if schedule in ("interleaved", *V_SCHEDULES) else 1
     if pp * virtual > n_layers:
         raise ConfigError(
             f"schedule {schedule!r} with pp={pp} needs {pp * virtual} "
@@ -181,6 +226,7 @@ def check_combination(cfg) -> None:
     """Raise ValueError when ``cfg``'s strategy, backend, model, schedule, offload and
     precision do not go together (what nbpar's runners can run)."""
     s, b = cfg.strategy, cfg.backend
+    _check_new_dimensions(cfg)
     if s not in PIPELINED and cfg.schedule != DEFAULT_SCHEDULE:
         raise ConfigError(
             f"schedule={cfg.schedule!r} applies only to strategies pipeline and hybrid, not {s!r}",
@@ -224,6 +270,45 @@ def check_combination(cfg) -> None:
         )
 
 
+def _check_new_dimensions(cfg) -> None:
+    """What context parallelism, expert parallelism and the zero-bubble schedules need
+    of the rest of the config (their degrees' fit to the model is `check_model_degrees`)."""
+    s, b = cfg.strategy, cfg.backend
+    choice("attention", cfg.attention, ATTENTIONS)
+    has_cp = s == "cp" or (s == "hybrid" and (cfg.cp or 1) > 1)
+    if cfg.attention != DEFAULT_ATTENTION and not has_cp:
+        raise ConfigError(
+            f"attention={cfg.attention!r} chooses how context parallelism attends over a "
+            f"split sequence: it applies to strategy 'cp' (or 'hybrid' with cp > 1), not {s!r}",
+            fields=("attention", "strategy"),
+        )
+    if has_cp and cfg.model not in CP_MODELS:
+        raise ConfigError(
+            f"context parallelism replaces the model's attention: it runs "
+            f"{' and '.join(CP_MODELS)}, not {cfg.model!r}",
+            fields=("model", "strategy"),
+        )
+    if has_cp and b == "deepspeed" and cfg.attention != "ulysses":
+        raise ConfigError(
+            "DeepSpeed's context parallelism is Ulysses (its DistributedAttention): use "
+            "attention='ulysses' with backend='deepspeed', or backend='torch' for the ring",
+            fields=("attention", "backend"),
+        )
+    has_ep = s == "ep" or (s == "hybrid" and (cfg.ep or 1) > 1)
+    if has_ep and not is_moe(cfg.model):
+        raise ConfigError(
+            f"expert parallelism shares out the experts of a mixture-of-experts model "
+            f"(a name with 'moe', e.g. 'tiny_moe'), not {cfg.model!r}",
+            fields=("model", "strategy"),
+        )
+    if cfg.schedule in ZERO_BUBBLE and b != "torch":
+        raise ConfigError(
+            f"schedule {cfg.schedule!r} runs on backend 'torch' (DeepSpeed's pipeline "
+            f"engine runs 1f1b)",
+            fields=("schedule", "backend"),
+        )
+
+
 def check_offload(offload: str, strategy: str) -> None:
     """ZeRO-Offload moves what ZeRO partitions: offload='optimizer' needs ZeRO stage 1, 2
     or 3, offload='params' stage 3."""
@@ -259,10 +344,14 @@ def check_model_degrees(cfg, world_size: int | None) -> None:
     heads and widths, pp stages need layers and a schedule that fits them."""
     if world_size is not None:
         d = cfg.dims(world_size)
-        tp, pp = d.tp, d.pp
+        tp, pp, cp, ep = d.tp, d.pp, d.cp, d.ep
     else:
-        check_degrees(cfg.strategy, cfg.dp, cfg.tp, cfg.pp)
-        tp, pp = cfg.tp or 1, cfg.pp or 1
+        check_degrees(cfg.strategy, cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.ep)
+        tp, pp, cp, ep = cfg.tp or 1, cfg.pp or 1, cfg.cp or 1, cfg.ep or 1
+    if cp > 1:
+        _check_cp_fits(cfg, cp)
+    if ep > 1:
+        _check_ep_fits(cfg, ep)
     from nbpar.model.registry import known_shape
 
     layers, where = known_shape(cfg)
@@ -290,3 +379,47 @@ def check_model_degrees(cfg, world_size: int | None) -> None:
         )
     if cfg.strategy in PIPELINED and pp > 1 and layers is not None:
         check_pipeline_schedule(cfg.schedule, pp, cfg.grad_accum, layers, cfg.backend)
+
+
+def _heads(cfg) -> int:
+    """The attention heads of ``cfg``'s model (tiny_gpt's gpt, an hf family's config)."""
+    if isinstance(cfg.model, str) and cfg.model.startswith("hf:"):
+        from nbpar.model.hf import shape
+
+        return shape(cfg.model, cfg.model_config)["heads"]
+    return cfg.gpt.n_heads
+
+
+def _check_cp_fits(cfg, cp: int) -> None:
+    """The ring deals every sequence in 2 cp chunks (zigzag); Ulysses splits the
+    sequence in cp parts and the heads over the cp ranks."""
+    seq = cfg.gpt.seq_len
+    parts = 2 * cp if cfg.attention == "ring" else cp
+    if seq % parts:
+        how = "2 x cp chunks (the zigzag split)" if cfg.attention == "ring" else "cp parts"
+        raise ConfigError(
+            f"cp={cp} with attention={cfg.attention!r} deals each sequence in {how}: "
+            f"gpt.seq_len={seq} does not divide by {parts}",
+            fields=("cp", "gpt.seq_len"),
+        )
+    heads = _heads(cfg)
+    if cfg.attention == "ulysses" and heads % cp:
+        raise ConfigError(
+            f"Ulysses gives each of the cp={cp} ranks its share of the heads: the "
+            f"{heads} attention heads of {cfg.model} do not divide by {cp} "
+            f"(use attention='ring', or a cp that divides {heads})",
+            fields=("cp", "attention"),
+        )
+
+
+def _check_ep_fits(cfg, ep: int) -> None:
+    """Every expert-parallel rank holds the same number of experts."""
+    from nbpar.model.registry import expert_count
+
+    experts = expert_count(cfg)
+    if experts is not None and experts % ep:
+        raise ConfigError(
+            f"ep={ep} must divide the {experts} experts of {cfg.model} (each expert-"
+            f"parallel rank holds experts / ep of them)",
+            fields=("ep", "model"),
+        )

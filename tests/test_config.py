@@ -7,6 +7,7 @@ import pytest
 from nbpar.config import GPTConfig, TrainConfig
 from nbpar.dims import ParallelDims
 from nbpar.model.data import global_batch_line
+from nbpar.strategies import resolve_degrees
 
 BAD = [
     (dict(model="resnet"), 2, "model='resnet'.*simple_cnn, tiny_gpt"),
@@ -67,7 +68,7 @@ BAD = [
     (dict(strategy="pipeline"), 3, "pp=3 pipeline stages need at least 3 layers"),
     (dict(strategy="tp", model="simple_cnn"), 2, "needs model 'tiny_gpt'"),
     (dict(strategy="pipeline", model="simple_cnn"), 2, "needs model 'tiny_gpt'"),
-    (dict(strategy="single", dp=2), 1, "requires dp=tp=pp=1"),
+    (dict(strategy="single", dp=2), 1, "requires dp=tp=pp=cp=ep=1"),
     (dict(strategy="single"), 2, "runs on exactly one engine"),
     (dict(precision="fp16"), 2, "precision='fp16' needs backend='deepspeed'"),
     (dict(strategy="tp", backend="deepspeed"), 2, "backend 'deepspeed' supports strategies"),
@@ -93,22 +94,38 @@ def test_pipeline_options_checked_without_world_size():
 
 @pytest.mark.parametrize(
     "kwargs,world,expect",
-    [
-        (dict(strategy="ddp"), 4, (1, 4, 1)),
-        (dict(strategy="zero3"), 2, (1, 2, 1)),
-        (dict(strategy="zero3", tp=2), 8, (1, 4, 2)),  # FSDP over tp shards
-        (dict(strategy="pipeline", grad_accum=2), 2, (2, 1, 1)),
-        (dict(strategy="tp"), 4, (1, 1, 4)),
-        (dict(strategy="hybrid", dp=2, pp=2, grad_accum=2), 4, (2, 2, 1)),
-        (dict(strategy="hybrid", dp=2, tp=2, pp=2, grad_accum=2), 8, (2, 2, 2)),
-        (dict(strategy="single"), 1, (1, 1, 1)),
+    [  # (pp, dp, cp, tp), ep
+        (dict(strategy="ddp"), 4, ((1, 4, 1, 1), 1)),
+        (dict(strategy="zero3"), 2, ((1, 2, 1, 1), 1)),
+        (dict(strategy="zero3", tp=2), 8, ((1, 4, 1, 2), 1)),  # FSDP over tp shards
+        (dict(strategy="pipeline", grad_accum=2), 2, ((2, 1, 1, 1), 1)),
+        (dict(strategy="tp"), 4, ((1, 1, 1, 4), 1)),
+        (dict(strategy="hybrid", dp=2, pp=2, grad_accum=2), 4, ((2, 2, 1, 1), 1)),
+        (dict(strategy="hybrid", dp=2, tp=2, pp=2, grad_accum=2), 8, ((2, 2, 1, 2), 1)),
+        (dict(strategy="single"), 1, ((1, 1, 1, 1), 1)),
+        (dict(strategy="cp"), 4, ((1, 1, 4, 1), 1)),  # the sequence over every engine
+        (dict(strategy="cp", cp=2), 4, ((1, 2, 2, 1), 1)),  # data parallel takes the rest
+        (dict(strategy="cp", dp=2), 4, ((1, 2, 2, 1), 1)),
+        (dict(strategy="hybrid", dp=2, cp=2, tp=2), 8, ((1, 2, 2, 2), 1)),
     ],
 )
 def test_default_degrees(kwargs, world, expect):
     cfg = TrainConfig(**kwargs).validate(world)
     dims = cfg.dims(world)
     assert isinstance(dims, ParallelDims)
-    assert dims.shape == expect
+    assert (dims.shape, dims.ep) == expect
+
+
+def test_expert_parallel_degrees_are_carved_out_of_data_parallel():
+    """ep does not multiply the world: strategy ep shares the experts over every
+    data-parallel rank unless ep says fewer, and ep must divide dp."""
+    assert resolve_degrees("ep", 4).ep == 4 and resolve_degrees("ep", 4).dp == 4
+    assert resolve_degrees("ep", 4, ep=2).dp == 4
+    assert resolve_degrees("hybrid", 8, dp=4, tp=2, ep=2).ep == 2
+    with pytest.raises(ValueError, match="ep=3 must divide dp=4"):
+        resolve_degrees("ep", 4, ep=3)
+    coords = [ParallelDims(dp=4, ep=2, world_size=4).coords(r) for r in range(4)]
+    assert [(c["edp"], c["ep"]) for c in coords] == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
 def test_valid_deepspeed_and_pipeline_configs_pass(tmp_path, half_precision):

@@ -16,6 +16,8 @@ from nbpar.checks import about
 from nbpar.errors import ConfigError
 
 BUILTIN = ("simple_cnn", "tiny_gpt")
+#: mixture-of-experts models whose names do not say "moe" (expert parallelism splits them)
+MOE_MODELS: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -244,3 +246,9 @@ def known_shape(cfg) -> tuple[int | None, str | None]:
             "layers"
         ], f"model_config {SHAPE_KEYS[family(cfg.model)][0]}"
     return None, None
+
+
+def expert_count(cfg) -> int | None:
+    """How many experts each MoE layer of ``cfg``'s model has, when the config alone
+    says it (None otherwise)."""
+    return None

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 from nbpar.dims import ParallelDims
 
-# Process-wide (one per engine process): the mesh of the layout used last, under the key
-# (shape, device type, default group). At most one entry.
+# Process-wide (one per engine process): the meshes of the layout used last, under the key
+# (layout, device type, default group): (the mesh, its expert mesh or None). At most one
+# entry.
 _MESHES: dict = {}
+#: the dimensions of a mesh whose groups `release_meshes` destroys (flattened ones too)
+_NAMES = ("pp", "dp", "cp", "tp", "dp_cp")
+_EXPERT_NAMES = ("edp", "ep")
 
 
 def cached_mesh(dims: ParallelDims, device_type: str):
@@ -22,11 +26,21 @@ def cached_mesh(dims: ParallelDims, device_type: str):
     """
     import torch.distributed as dist
 
-    key = (dims.shape, device_type, id(dist.group.WORLD))
+    key = (dims.key, device_type, id(dist.group.WORLD))
     if key not in _MESHES:
         release_meshes()
-        _MESHES[key] = dims.build_mesh(device_type)
-    return _MESHES[key]
+        mesh = dims.build_mesh(device_type)
+        _MESHES[key] = (mesh, dims.build_expert_mesh(mesh))
+    return _MESHES[key][0]
+
+
+def cached_expert_mesh(dims: ParallelDims, device_type: str):
+    """The ("edp", "ep") split of `cached_mesh`'s "dp" (`ParallelDims.build_expert_mesh`),
+    None where ep is 1."""
+    import torch.distributed as dist
+
+    cached_mesh(dims, device_type)
+    return _MESHES[(dims.key, device_type, id(dist.group.WORLD))][1]
 
 
 def release_meshes() -> None:
@@ -35,12 +49,18 @@ def release_meshes() -> None:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    for mesh in _MESHES.values():
-        names = mesh.mesh_dim_names or ()
-        groups = {id(g): g for g in (mesh.get_group(n) for n in names)}.values()
-        for group in groups:
-            if group is not dist.group.WORLD and group in c10d._world.pg_map:
-                dist.destroy_process_group(group)
+    groups = {}
+    for mesh, experts in _MESHES.values():
+        for m, names in ((mesh, _NAMES), (experts, _EXPERT_NAMES)):
+            for name in names if m is not None else ():
+                try:
+                    group = m.get_group(name)
+                except (KeyError, ValueError, RuntimeError):
+                    continue  # a dimension this mesh has not (dp_cp without cp)
+                groups[id(group)] = group
+    for group in groups.values():
+        if group is not dist.group.WORLD and group in c10d._world.pg_map:
+            dist.destroy_process_group(group)
     if _MESHES:
         forget_shardings()
     _MESHES.clear()

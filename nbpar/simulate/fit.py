@@ -11,8 +11,9 @@ import copy
 
 from nbpar.strategies import STRATEGIES
 
-# every strategy that has default degrees (hybrid needs them given)
-DEFAULT_STRATEGIES = tuple(s for s in STRATEGIES if s != "hybrid")
+# every strategy that has default degrees (hybrid needs them given) and that fake ranks
+# run (context and expert parallelism: not yet)
+DEFAULT_STRATEGIES = tuple(s for s in STRATEGIES if s not in ("hybrid", "cp", "ep"))
 
 
 def candidate_configs(cfg, world_size: int, strategies=DEFAULT_STRATEGIES) -> list:

@@ -49,4 +49,3 @@ def fake_rank(rank: int, dims, device_type: str = "cpu"):
     finally:
         dist.destroy_process_group()
         forget_shardings()
-

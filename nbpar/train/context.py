@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from nbpar import device
-from nbpar.parallel.mesh import cached_mesh
+from nbpar.parallel.mesh import cached_expert_mesh, cached_mesh
 
 if TYPE_CHECKING:
     import torch
@@ -33,13 +33,16 @@ class RankContext:
     dims: ParallelDims
     """the run's parallel degrees (``cfg.dims(world)``)"""
     mesh: DeviceMesh | None
-    """the named ("pp", "dp", "tp") mesh of ``dims``; None without a process group"""
+    """the named ("pp", "dp", "cp", "tp") mesh of ``dims`` (with "dp_cp" where cp > 1);
+    None without a process group"""
     device: torch.device
     """where this rank computes"""
     backend: str
     """the process group's backend (gloo, nccl), or this machine's default without one"""
     distributed: bool
     """whether the run uses the default process group (False for strategy single)"""
+    expert_mesh: DeviceMesh | None = None
+    """the ("edp", "ep") split of the mesh's dp where ep > 1, else None"""
 
     @classmethod
     def build(cls, cfg: TrainConfig) -> tuple[RankContext, TrainConfig]:
@@ -60,10 +63,26 @@ class RankContext:
             )
         here = device.current_device(backend)
         dims = cfg.dims(world)
-        mesh = cached_mesh(dims, device.device_type(backend)) if on else None
-        return cls(rank, world, dims, mesh, here, backend, on), cfg
+        kind = device.device_type(backend)
+        mesh = cached_mesh(dims, kind) if on else None
+        experts = cached_expert_mesh(dims, kind) if on else None
+        return cls(rank, world, dims, mesh, here, backend, on, experts), cfg
+
+    def degree(self, dim: str) -> int:
+        """The number of ranks in a group of ``dim``: a mesh dimension ("pp", "dp", "cp",
+        "tp"), "dp_cp" (every data and context rank) or the expert split's "ep", "edp"."""
+        d = self.dims
+        return {"dp_cp": d.dp * d.cp, "edp": d.dp // d.ep}.get(dim) or getattr(d, dim)
 
     def group(self, dim: str):
-        """The process group of mesh dimension ``dim`` ("pp", "dp", "tp") where its
-        degree is above 1, else None (nothing to talk to)."""
-        return self.mesh.get_group(dim) if getattr(self.dims, dim) > 1 else None
+        """The process group of ``dim`` (see `degree`) where it has more than one rank,
+        else None (nothing to talk to)."""
+        if self.degree(dim) == 1:
+            return None
+        mesh = self.expert_mesh if dim in ("ep", "edp") else self.mesh
+        return mesh.get_group(dim)
+
+    def data_group(self):
+        """The ranks over which the loss and the replicated parameters' gradients are
+        averaged: every data-parallel rank, and every context rank where cp > 1."""
+        return self.group("dp_cp" if self.dims.cp > 1 else "dp")

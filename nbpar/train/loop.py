@@ -12,8 +12,10 @@ data position (epoch + batches consumed), so the loss curve goes on unchanged.
 Step loss convention: a runner's ``train_step`` returns this rank's mean loss
 over its micro-batches; with pipelining only the last stage's value must be
 right (other stages may return anything). train.py broadcasts it from the last
-pp stage over the pp group, then averages over the dp group, so every rank
-reports the loss of the whole global batch, equal to the single-process loss.
+pp stage over the pp group, then averages over the dp group (with context parallelism,
+over every data and context rank: each cp rank's loss is the mean over its equal share
+of the tokens), so every rank reports the loss of the whole global batch, equal to the
+single-process loss.
 """
 
 from __future__ import annotations
@@ -72,18 +74,19 @@ class _Batches:
 
 
 def _global_loss(loss, ctx: RankContext, timer: CommTimer) -> tuple[float, float]:
-    """(loss of the global batch: last pp stage's value averaged over dp ranks, this
-    rank's own value before the dp average), read with one device sync."""
+    """(loss of the global batch: last pp stage's value averaged over the data (and
+    context) ranks, this rank's own value before that average), read with one device
+    sync."""
     t = torch.as_tensor(loss).detach().to(device=ctx.device, dtype=torch.float32).reshape(1)
     t = t.clone()
-    pp, dp = ctx.group("pp"), ctx.group("dp")
+    pp, data = ctx.group("pp"), ctx.data_group()
     with timer.span():
         if pp is not None:
             dist.broadcast(t, group=pp, group_src=ctx.dims.pp - 1)
         local = t.clone()
-        if dp is not None:
-            dist.all_reduce(t, group=dp)
-            t /= ctx.dims.dp
+        if data is not None:
+            dist.all_reduce(t, group=data)
+            t /= ctx.dims.dp * ctx.dims.cp
         return tuple(torch.cat([t, local]).tolist())
 
 

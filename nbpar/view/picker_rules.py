@@ -15,7 +15,9 @@ import re
 
 from nbpar import config as C
 from nbpar.errors import ConfigError
-from nbpar.strategies import DEGREES
+
+#: the degrees the picker offers (context and expert parallelism are not offered yet)
+DEGREES = ("dp", "tp", "pp")
 
 #: field -> the label of its control in the picker
 LABELS = {
