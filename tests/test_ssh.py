@@ -159,6 +159,8 @@ def test_ssh_engines_on_two_hosts_rendezvous_and_report_both_hosts(ssh_pool):
         "print(t.item(), socket.gethostname())"
     )
     assert res.text() == "[rank 0] 3.0 nbphost0\n[rank 1] 3.0 nbphost1"
+    # the cell went straight to the engines on the other hosts, not through the controller
+    assert ssh_pool.cells is not None
 
 
 def test_training_across_ssh_hosts_equals_single(ssh_pool):

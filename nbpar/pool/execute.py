@@ -268,13 +268,15 @@ def run_cell(
     timeout: float | None,
     stream: bool | None = None,
     live_ranks=None,
+    fresh: bool = False,
 ) -> DistResult:
     """Execute ``code`` on ``ranks`` (each in its engine's namespace).
 
     ``stream``: show each rank's lines while the cell runs (default: in a Jupyter
     kernel, where the grouped output replaces them at the end, and in the ``ipython``
     terminal, where they are printed as they come and the rest follows at the end).
-    ``live_ranks``: the ranks whose lines are streamed (default: all).
+    ``live_ranks``: the ranks whose lines are streamed (default: all); ``fresh``: the
+    kernel's cell has shown nothing before this (`LiveOutput`).
     """
     busy = pool.busy_ranks(ranks)
     if busy:
@@ -284,14 +286,16 @@ def run_cell(
     dead = [r for r in pool.dead_ranks() if r in ranks]
     if dead:
         raise EngineDied(f"the engine of rank(s) {dead} is dead: run `%dist restart`", dead)
-    # one request to all target engines (as %px does), one AsyncResult per rank
-    ar = pool.view(ranks).execute(code, block=False, silent=False)
-    ars = dict(zip(ranks, ar.split()))
+    if pool.cells is not None:  # straight to the engines (`nbpar.pool.cells`)
+        ars, whole = pool.cells.submit(code, ranks)
+    else:  # one request to all target engines (as %px does), one AsyncResult per rank
+        whole = pool.view(ranks).execute(code, block=False, silent=False)
+        ars = dict(zip(ranks, whole.split()))
     pool.track(ars)
     from nbpar.view.logplot import LogPlot
 
     plot = LogPlot(ars, show=True)  # draws nbpar.log(...) records live, if any
-    live = LiveOutput(ars, stream, live_ranks)
+    live = LiveOutput(ars, stream, live_ranks, fresh=fresh)
     live.start()
     watch = HangWatch(pool, ars, _doctor_ready)  # who waits where, once the ranks come apart
 
@@ -301,7 +305,7 @@ def run_cell(
         watch.show(live)
 
     try:
-        wait_all(pool, ars, timeout, on_poll=poll, whole=ar)
+        wait_all(pool, ars, timeout, on_poll=poll, whole=whole)
     except BaseException as err:
         live.set_footer("")  # the error (or the interrupt's word) says it now
         if not isinstance(err, RankError):
@@ -313,7 +317,7 @@ def run_cell(
             live.finish()
         DistResult(done, [_metadata(ars[r]) for r in done], live.printed).render()
         raise
-    ar.wait_for_output(OUTPUT_WAIT_S)  # the reply can arrive before the last output
+    whole.wait_for_output(OUTPUT_WAIT_S)  # the reply can arrive before the last output
     live.finish()
     metadata = [_metadata(ars[r]) for r in ranks]
     if any(md.get("data") for md in metadata):  # something was logged with nbpar.log

@@ -63,7 +63,12 @@ class DistMagics(Magics):
         pool = pool_mod.current()
         shown = [0] if args.rank0 else None
         result = pool.execute(
-            cell, targets=args.targets, timeout=args.timeout, stream=args.stream, live_ranks=shown
+            cell,
+            targets=args.targets,
+            timeout=args.timeout,
+            stream=args.stream,
+            live_ranks=shown,
+            fresh=True,
         )
         result.render(shown)
 

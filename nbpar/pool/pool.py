@@ -168,7 +168,10 @@ class Pool:
         return self.owned and not self.closed and self._sets.ready(self.client)
 
     def _rendezvous(self):
-        """Join this pool's engines into a fresh process group (`startup.rendezvous`)."""
+        """Join this pool's engines into a fresh process group (`startup.rendezvous`) and
+        open the direct channel ``%%dist`` cells take (`nbpar.pool.cells`; None: they go
+        through ipyparallel)."""
+        self._close_cells()
         self.engines = []
         watch = startup.orphan_watch(self.cluster) if self.owned else None
         self.engines, self.addr, self.rendezvous_port = startup.rendezvous(
@@ -185,6 +188,9 @@ class Pool:
         self._engine_ids = [e["engine_id"] for e in self.engines]  # rank order (by host)
         if self.owned:
             self._sets.use(self.client, self._engine_ids)
+        from nbpar.pool.cells import open_channel
+
+        self.cells = open_channel(self.client, self._engine_ids, self.engines)
 
     def activate(self) -> Pool:
         """Make this the pool that ``%%dist`` runs on."""
@@ -217,7 +223,13 @@ class Pool:
             return
         self.closed = True
         _live.discard(self)
+        self._close_cells()
         startup.stop(self.cluster if self.owned else None, self.client)
+
+    def _close_cells(self) -> None:
+        if getattr(self, "cells", None) is not None:
+            self.cells.close()
+        self.cells = None
 
     def __enter__(self):
         return self
@@ -261,17 +273,19 @@ class Pool:
         timeout: float | None = None,
         stream: bool | None = None,
         live_ranks=None,
+        fresh: bool = False,
     ):
         """Run ``code`` on the target ranks; return a DistResult (raises on error).
 
         ``stream``: show each rank's lines live (default: in a Jupyter kernel);
-        ``live_ranks``: only these ranks' lines (default: all).
+        ``live_ranks``: only these ranks' lines (default: all); ``fresh``: the calling
+        cell has shown nothing yet (the ``%%dist`` magic: the cell is all its own).
         """
         from nbpar.pool.execute import run_cell
 
         self._check_open()
         timeout = self.timeout if timeout is None else timeout
-        return run_cell(self, code, self.ranks(targets), timeout, stream, live_ranks)
+        return run_cell(self, code, self.ranks(targets), timeout, stream, live_ranks, fresh)
 
     def run(self, fn, *args, targets=None, timeout: float | None = None, **kwargs) -> list:
         """Call ``fn(*args, **kwargs)`` on each target rank; results in rank order."""
@@ -289,6 +303,7 @@ class Pool:
         self._views: dict = {}  # (engine ids, ranks) -> DirectView
         self.failed_ranks: set[int] = set()  # ranks of the last failed cell (%dist debug)
         self._store: tuple = (None, None)  # ((addr, port), the kernel's store connection)
+        self.cells = None  # the direct cell channel (`nbpar.pool.cells`), once joined
 
     def note_failure(self, ranks) -> None:
         """Remember the ranks whose cell raised last: their tracebacks can be debugged."""

@@ -47,8 +47,9 @@ class LiveOutput:
     in Jupyter; in the ``ipython`` terminal, printed as they come (as ``%px --stream``
     does), and then left out of the grouped output (`printed`)."""
 
-    def __init__(self, ars: dict, show: bool | None = None, ranks=None):
-        """``ranks``: the ranks whose lines are shown (default: all of ``ars``)."""
+    def __init__(self, ars: dict, show: bool | None = None, ranks=None, fresh: bool = False):
+        """``ranks``: the ranks whose lines are shown (default: all of ``ars``); ``fresh``:
+        the cell has shown nothing before (a ``%%dist`` cell: the magic is all of it)."""
         self.ars = ars if ranks is None else {r: ar for r, ar in ars.items() if r in ranks}
         self.prints = show is not False and in_terminal() and not in_kernel()
         self.show = not self.prints and (in_kernel() if show is None else show)
@@ -56,6 +57,7 @@ class LiveOutput:
         self.lines: deque[str] = deque(maxlen=LIVE_LINES)
         self.footer = ""  # shown under the lines: the hang watch's word (`hangwatch`)
         self.handle = None
+        self.fresh = fresh
 
     def new_lines(self, name=None) -> list[str]:
         """Lines completed since the last call, ``[rank N]``-prefixed, rank by rank
@@ -81,7 +83,9 @@ class LiveOutput:
         if self.show and self.handle is None:
             from IPython.display import display
 
-            self.handle = display({"text/plain": ""}, raw=True, display_id=True)
+            self.handle = (self.fresh and _fresh_area()) or display(
+                {"text/plain": ""}, raw=True, display_id=True
+            )
 
     def poll(self) -> None:
         if self.prints:
@@ -121,3 +125,28 @@ class LiveOutput:
         if self.handle is not None and (self.lines or self.footer):
             self.handle.update({"text/plain": ""}, raw=True)
         self.handle = None
+
+
+def _fresh_area():
+    """An empty display area opened as `IPython.display.display` would, but without its
+    first step: the display publisher flushes stdout and stderr (two round trips to the
+    kernel's output thread, most of a trivial ``%%dist`` cell's own time), which keeps
+    earlier output of the cell ahead of the display. A fresh cell has none. None where the
+    kernel is not one this knows (then `display` does it)."""
+    import uuid
+
+    from IPython import get_ipython
+    from IPython.display import DisplayHandle
+
+    shell = get_ipython()
+    try:
+        kernel, pub = shell.kernel, shell.display_pub
+        handle = DisplayHandle(uuid.uuid4().hex)
+        content = {"data": {"text/plain": ""}, "metadata": {}}
+        content["transient"] = {"display_id": handle.display_id}
+        kernel.session.send(
+            kernel.iopub_socket, "display_data", content, pub.parent_header, ident=pub.topic
+        )
+    except AttributeError:
+        return None
+    return handle

@@ -1,8 +1,10 @@
 """`nbpar.log(loss=...)` from your own ``%%dist`` code (the engine side).
 
-On an engine, each call publishes one record through ipyparallel's data publication (the
-running cell's AsyncResult gains it in ``.data`` without a round trip); anywhere else (plain
-Python, a normal kernel) records stay in `RECORDS` and nothing else happens.
+On an engine, each call publishes one record: to the kernel's direct cell channel while a
+``%%dist`` cell runs through it (`set_publisher`), else through ipyparallel's data
+publication (the running cell's AsyncResult gains it in ``.data`` without a round trip);
+anywhere else (plain Python, a normal kernel) records stay in `RECORDS` and nothing else
+happens.
 `nbpar.view.logplot.LogPlot` draws them in the kernel, one line per rank.
 """
 
@@ -20,6 +22,13 @@ PREFIX = "log/"
 RECORDS: list[dict] = []
 _seq = itertools.count()
 _next_step = 0
+# Process-wide (one per engine): where records go while a direct-channel cell runs.
+_publisher: dict = {"send": None}
+
+
+def set_publisher(send) -> None:
+    """Send each record's ``{key: record}`` with ``send`` from now on (None: stop)."""
+    _publisher["send"] = send
 
 
 def _rank() -> int:
@@ -62,10 +71,13 @@ def log(step: int | None = None, **metrics) -> dict:
         positive_int("nbpar.log: step", step, minimum=0)
     _next_step = step + 1
     record = {"rank": _rank(), "step": step, **{k: _number(k, v) for k, v in metrics.items()}}
-    if _on_engine():
+    data = {f"{PREFIX}{next(_seq):08d}": record}
+    if _publisher["send"] is not None:
+        _publisher["send"](data)
+    elif _on_engine():
         from ipyparallel.datapub import publish_data
 
-        publish_data({f"{PREFIX}{next(_seq):08d}": record})
+        publish_data(data)
     else:
         RECORDS.append(record)
     return record
