@@ -399,3 +399,20 @@ def test_gpu_check_fails_on_a_meter_that_times_launches():
         "tolerance": 1e-4,
         "ok": False,
     }
+
+
+def test_the_controller_writes_its_connection_file_whole(tmp_path):
+    """Local engines read the file as soon as it exists: it appears complete, the
+    owner's only, and nothing half-written is left beside it."""
+    import json
+    import stat
+    import types
+
+    from nbpar.pool.controller import save_connection_dict
+
+    controller = types.SimpleNamespace(profile_dir=types.SimpleNamespace(security_dir=tmp_path))
+    save_connection_dict(controller, "ipcontroller-x-engine.json", {"key": "k", "ports": [1]})
+    path = tmp_path / "ipcontroller-x-engine.json"
+    assert json.loads(path.read_text()) == {"key": "k", "ports": [1]}
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]

@@ -1,10 +1,31 @@
 """Entry point of the controller of a pool nbpar starts: ipyparallel's
-controller, which exits (with its schedulers) when the kernel that started it dies."""
+controller, which exits (with its schedulers) when the kernel that started it dies.
+
+Local engines start at the same time as the controller and read its connection file as
+soon as it exists (`nbpar.pool.startup.start_both`): the file is written whole under
+another name and then renamed, so no engine reads half of it.
+"""
+
+import json
+import os
+import stat
+
+
+def save_connection_dict(self, fname, cdict):
+    """ipyparallel's `IPController.save_connection_dict`, written atomically."""
+    path = os.path.join(self.profile_dir.security_dir, fname)
+    part = f"{path}.{os.getpid()}.part"
+    with open(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write(json.dumps(cdict, indent=2))
+    os.chmod(part, stat.S_IRUSR | stat.S_IWUSR)
+    os.replace(part, path)
+
 
 if __name__ == "__main__":
     from nbpar.pool.orphan import exit_with_parent
 
     exit_with_parent()
-    from ipyparallel.controller.app import main
+    from ipyparallel.controller.app import IPController, main
 
+    IPController.save_connection_dict = save_connection_dict
     main()

@@ -105,7 +105,7 @@ def start_cluster(
         if ours:  # a script nbpar wrote: Slurm says now whether it would run it
             slurm.check_submit(cluster.config.SlurmEngineSetLauncher.batch_template, n)
         say(f"starting a controller and {n} engine(s) ({launcher})")
-        cluster.start_cluster_sync()
+        start_both(cluster, launcher, n)
         if cluster.cluster_file and os.path.exists(cluster.cluster_file):
             os.chmod(cluster.cluster_file, 0o600)  # connection details: the owner's only
         client = cluster.connect_client_sync()
@@ -120,6 +120,19 @@ def start_cluster(
         stop(cluster, client)  # nothing left running when start-up fails
         raise
     return cluster, client, sorted(client.ids)[:n], EngineSets(cluster, n, launcher)
+
+
+def start_both(cluster, launcher: str, n: int) -> None:
+    """Start the controller and the engines. ipyparallel starts the engines once the
+    controller has written its connection file, to hand it to them; local engines read
+    it from the profile themselves (ipengine waits for it), so they are started first
+    and import ipyparallel and torch while the controller comes up."""
+    if launcher.lower() != "local":
+        cluster.start_cluster_sync()
+        return
+    cluster.send_engines_connection_env = False
+    cluster.start_engines_sync(n)
+    cluster.start_controller_sync()
 
 
 def wait_registered(client, n: int, timeout: float, say) -> None:
