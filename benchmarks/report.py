@@ -52,7 +52,8 @@ MARKER = re.compile(r"(<!-- bench:begin (\w+) -->\n)(.*?)(<!-- bench:end \2 -->)
 DIFFERS = "differs from the results files"
 FIG = re.compile(r"(<!-- fig (\w+): (.+?) -->)(.*?)(<!-- /fig -->)", re.S)
 HEADER = (
-    "| benchmark | figure | median | spread: min–max (n) | target | measured on |\n"
+    "| benchmark | figure | median | spread: min–max (n); the median's 95% interval | target "
+    "| measured on |\n"
     "|---|---|---|---|---|---|"
 )
 
@@ -82,12 +83,25 @@ def where(data: dict) -> str:
 
 
 def verdict(fig: dict, bound: float) -> str:
-    """Met or not on the median; when the repeats fall on both sides of the bound the
-    median alone decides nothing, and the row says so."""
-    if fig["n"] > 1 and fig["min"] < bound < fig["max"]:
+    """Met or not on the median; when the median's 95% interval (a file without one: the
+    repeats' whole range) falls on both sides of the bound, the median alone decides
+    nothing, and the row says so."""
+    lo, hi = fig.get("ci95") or (fig["min"], fig["max"])
+    if fig["n"] > 1 and lo < bound < hi:
         side = "met" if fig["meets"] else "not met"
-        return f"**undecided** ({side} on the median; the spread crosses it)"
+        crosses = "its 95% interval crosses it" if "ci95" in fig else "the spread crosses it"
+        return f"**undecided** ({side} on the median; {crosses})"
     return "met" if fig["meets"] else "**not met**"
+
+
+def spread_text(fig: dict) -> str:
+    """min–max (n), and the median's 95% interval where it is narrower than that."""
+    u = fig["unit"]
+    text = f"{number(fig['min'], u)}–{number(fig['max'], u)} ({fig['n']})"
+    ci = fig.get("ci95")
+    if ci and list(ci) != [fig["min"], fig["max"]]:
+        text += f"; median in {number(ci[0], u)}–{number(ci[1], u)}"
+    return text
 
 
 def rows(name: str, data: dict | None) -> list[str]:
@@ -103,8 +117,7 @@ def rows(name: str, data: dict | None) -> list[str]:
         label = fig["label"].replace("|", "\\|")  # a bar would end the table cell
         out.append(
             f"| `{name}.py` | {label} | {number(fig['median'], u)} | "
-            f"{number(fig['min'], u)}–{number(fig['max'], u)} ({fig['n']}) | {target} | "
-            f"{where(data)} |"
+            f"{spread_text(fig)} | {target} | {where(data)} |"
         )
     return out
 
@@ -120,8 +133,9 @@ def render(section: str, results: dict[str, dict]) -> str:
         "measured side by side in that run; the load is the machine's 1-minute load average",
         "at the start and end of the run (a benchmark starts only once it is under half the",
         "cores), and the commit is the code measured (tests/test_bench_results.py fails",
-        "when that code changed since). A target whose repeats fall on both sides of it",
-        "reads **undecided**: on a shared machine that median is noise, not a result.",
+        "when that code changed since). The median's 95% interval is distribution-free (order",
+        "statistics of the repeats); a target it falls on both sides of reads **undecided**:",
+        "on a shared machine such a median is noise, not a result.",
         "",
         HEADER,
     ]

@@ -9,7 +9,7 @@ writes ``results/<name>.json``:
      "load_ok" (the load at the start left the cores to the benchmark, `quiet`),
      "measures" (the paths of the code it measures: `stale` compares them with "commit"),
      "seconds" (the benchmark's run time), "repeats", "config", "notes",
-     "figures": [{"label", "unit", "median", "min", "max", "n", "values", "target",
+     "figures": [{"label", "unit", "median", "min", "max", "n", "values", "ci95", "target",
                   "meets"}],
      "rows": [raw measurements, one per repeat or case]}
 
@@ -22,8 +22,11 @@ A results file knows its code: `stale` lists the files under its ``measures`` pa
 changed after its ``commit`` (tests/test_bench_results.py fails on any), so a figure
 cannot outlive the code it describes.
 
-A figure is the median over its repeats and its spread (min and max, n values);
-a target is written ``"<= 1.05"`` (or ``<``, ``>=``, ``>``) and judged on the median.
+A figure is the median over its repeats and its spread (min and max, n values), with the
+95% confidence interval of the median (``ci95``, distribution-free: order statistics of
+the values, `median_ci`); a target is written ``"<= 1.05"`` (or ``<``, ``>=``, ``>``)
+and judged on the median, and docs/performance.md calls it decided only where that
+interval lies on one side of it.
 `benchmarks/report.py` turns the files into the tables of docs/performance.md.
 """
 
@@ -168,7 +171,8 @@ class Recorder:
 
 
 def spread(values, digits: int = 4) -> dict:
-    """Median, min, max and count of ``values``, rounded to ``digits`` significant."""
+    """Median, min, max, count and the median's 95% interval (`median_ci`) of ``values``,
+    rounded to ``digits`` significant."""
     vals = [_round(float(v), digits) for v in values]  # the file holds these, and the
     if not vals:  # median is exactly theirs
         raise ValueError("a figure needs at least one value")
@@ -178,7 +182,27 @@ def spread(values, digits: int = 4) -> dict:
         "max": max(vals),
         "n": len(vals),
         "values": vals,
+        "ci95": list(median_ci(vals)),
     }
+
+
+def median_ci(values, level: float = 0.95) -> tuple[float, float]:
+    """A distribution-free confidence interval of the median: the k-th smallest and
+    k-th largest value, k the largest rank whose binomial tail P(Bin(n, 1/2) < k) stays
+    within (1 - level) / 2 (so the interval holds the true median with probability at
+    least ``level``, whatever the noise's shape). With fewer than 6 values it is the
+    whole range: so few repeats cannot pin a median down at 95%."""
+    vals = sorted(values)
+    n = len(vals)
+    tail, k = 0.0, 0
+    for j in range(n):
+        tail += math.comb(n, j) / 2**n
+        if tail > (1 - level) / 2:
+            break
+        k = j + 1
+    if k == 0:
+        return vals[0], vals[-1]
+    return vals[k - 1], vals[n - k]
 
 
 def _round(value: float, digits: int) -> float:
@@ -276,6 +300,8 @@ def problems(data: dict) -> list[str]:
             out.append(f"{name}: figure {label!r}: median/min/max out of order")
         elif not math.isclose(statistics.median(vals), fig["median"], rel_tol=1e-9):
             out.append(f"{name}: figure {label!r}: median is not the median of its values")
+        if "ci95" in fig and list(fig["ci95"]) != list(median_ci(vals)):
+            out.append(f"{name}: figure {label!r}: ci95 is not its values' interval")
         if fig["meets"] != meets(fig["median"], fig["target"]):
             out.append(f"{name}: figure {label!r}: 'meets' disagrees with its target")
     return out

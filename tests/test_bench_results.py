@@ -176,6 +176,36 @@ def test_a_target_inside_the_spread_is_undecided():
     assert report.verdict({**fig, "n": 1}, 1.02) == "met"  # one value has no spread
 
 
+@pytest.mark.parametrize("n", [6, 9, 20, 60, 180])
+def test_the_medians_interval_is_the_widest_95_percent_order_statistic_one(n):
+    """k-th smallest to k-th largest, k the largest rank with P(Bin(n, 1/2) < k) <= 2.5%:
+    the interval covers the median with probability >= 95%, and one rank narrower would
+    not."""
+    import math
+
+    lo, hi = results.median_ci(list(range(1, n + 1)))
+    k = int(lo)
+    assert hi == n + 1 - k
+    below = sum(math.comb(n, j) for j in range(k)) / 2**n
+    assert below <= 0.025 < below + math.comb(n, k) / 2**n
+    assert results.median_ci([5.0, 1.0, 3.0]) == (1.0, 5.0)  # too few values: all of them
+
+
+def test_a_target_the_medians_interval_keeps_to_one_side_of_is_decided():
+    """60 values from 0.8 to 1.39 reach past 1.3, but their median cannot: met."""
+    fig = results.spread([0.8 + 0.01 * i for i in range(60)])
+    fig.update(unit="x", target="<= 1.3", meets=results.meets(fig["median"], "<= 1.3"))
+    assert fig["min"] < 1.3 < fig["max"] and fig["ci95"][1] < 1.3
+    assert report.verdict(fig, 1.3) == "met"
+    assert report.verdict(fig, 1.1).startswith("**undecided** (met on the median; its 95%")
+    assert "median in 1.01x–1.18x" in report.spread_text(fig)
+    assert results.problems({**_complete(), "figures": [{**fig, "ci95": [0.8, 1.4]}]})
+
+
+def _complete() -> dict:
+    return json.loads((results.RESULTS / "chaos.json").read_text())
+
+
 def test_generated_rows_have_six_cells():
     text = PAGE.read_text()
     rows = [
