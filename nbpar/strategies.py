@@ -123,7 +123,10 @@ def splits(strategy: str, backend: str) -> tuple[str, ...]:
 
 def settable_degrees(strategy: str, backend: str) -> tuple[str, ...]:
     """The degrees a user sets for ``strategy`` on ``backend``: those it `splits` along,
-    less its own one, which takes what the others leave."""
+    less its own one, which takes what the others leave. Context parallelism is set by
+    its own degree (how many ranks split a sequence), data parallelism taking the rest."""
+    if strategy == "cp":
+        return ("cp",)
     return tuple(d for d in splits(strategy, backend) if d != OWN_DEGREE.get(strategy))
 
 

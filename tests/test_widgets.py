@@ -440,6 +440,36 @@ def test_hybrid_advice_keeps_the_degree_the_user_chose():
     from nbpar.view.picker_rules import hybrid_layout
 
     values = dict(model="tiny_gpt", micro_batch=8, grad_accum=2, steps=20)
-    assert hybrid_layout(values, 8) == {"dp": 2, "tp": 2, "pp": 2}  # nothing chosen
+    assert hybrid_layout(values, 8) == {"dp": 2, "tp": 2, "pp": 2, "cp": 1}  # nothing chosen
     assert hybrid_layout({**values, "tp": 4, "pp": 4}, 8)["tp"] == 4  # 4 x 4 > 8: keep tp
     assert hybrid_layout({**values, "dp": 8, "pp": 2}, 8)["pp"] == 2  # 8 x 2 > 8: keep pp
+
+
+def test_context_parallelism_shows_its_degree_and_attention_and_explains_bad_mixes():
+    picker = StrategyPicker(FakePool(4), background=False)
+    _set(picker, strategy="cp")
+    assert {"cp", "attention"} <= _shown(picker) and not {"dp", "ep"} & _shown(picker)
+    assert picker.message == "ready: cp/torch on 4 ranks, dp 1 × tp 1 × pp 1 × cp 4"
+    _set(picker, cp=2)
+    assert picker.message == "ready: cp/torch on 4 ranks, dp 2 × tp 1 × pp 1 × cp 2"
+    _set(picker, cp=4, attention="ulysses")  # tiny_gpt: 4 heads, 32 tokens
+    assert picker.problems == []
+    _set(picker, model="hf:gpt2")  # its attention is not one nbpar replaces
+    assert picker.problems == [
+        "context parallelism replaces the model's attention: it runs tiny_gpt and "
+        "hf:llama, not hf:gpt2"
+    ]
+    _set(picker, model="tiny_gpt", strategy="hybrid", cp=4, dp=1, tp=1, pp=1)
+    assert "attention" in _shown(picker)
+    _set(picker, cp=1)
+    assert "attention" not in _shown(picker)  # no sequence split: nothing to choose
+
+
+def test_a_sequence_the_split_does_not_divide_is_explained_before_launch():
+    picker = StrategyPicker(FakePool(3), background=False, gpt=C.GPTConfig(seq_len=32))
+    _set(picker, strategy="cp")
+    assert picker.problems == [
+        "cp 3 with attention ring deals each sequence in 2 x cp chunks (the zigzag split): "
+        "the model's context length 32 does not divide by 6"
+    ]
+    assert picker.button.disabled

@@ -15,9 +15,7 @@ import re
 
 from nbpar import config as C
 from nbpar.errors import ConfigError
-
-#: the degrees the picker offers (context and expert parallelism are not offered yet)
-DEGREES = ("dp", "tp", "pp")
+from nbpar.strategies import DEGREES, WORLD_DEGREES
 
 #: field -> the label of its control in the picker
 LABELS = {
@@ -28,6 +26,9 @@ LABELS = {
     "dp": "dp",
     "tp": "tp",
     "pp": "pp",
+    "cp": "cp",
+    "ep": "ep",
+    "attention": "attention",
     "precision": "precision",
     "offload": "offload",
     "micro_batch": "micro-batch",
@@ -39,6 +40,7 @@ MODEL_WORDS = {
     "gpt.d_model": "the model's width",
     "gpt.n_layers": "the model's layers",
     "gpt.vocab_size": "the model's vocabulary",
+    "gpt.seq_len": "the model's context length",
 }
 #: whole numbers the picker's boxes take: field -> largest value
 COUNTS = {"micro_batch": 4096, "grad_accum": 4096, "steps": 10**6}
@@ -47,6 +49,7 @@ NEUTRAL_ORDER = (
     "offload",
     "precision",
     "schedule",
+    "attention",
     "model",
     "micro_batch",
     "grad_accum",
@@ -58,6 +61,7 @@ NEUTRAL = {
     "offload": "none",
     "precision": "fp32",
     "schedule": "gpipe",
+    "attention": "ring",
     "model": "tiny_gpt",
     "backend": "torch",
     "micro_batch": 8,
@@ -82,7 +86,7 @@ def in_words(message: str) -> str:
     text = re.sub(r"\b(micro_batch|grad_accum)\b", lambda m: LABELS[m[1]], text)
     text = re.sub(r"(?<=\w)\s*\*\s*(?=\w)", " × ", text)
     text = text.replace("must be a positive integer", "must be a whole number of at least 1")
-    return re.sub(r"\bdp x tp x pp\b", "dp × tp × pp", text)
+    return re.sub(r"\bdp x tp x pp( x cp)?\b", lambda m: m[0].replace(" x ", " × "), text)
 
 
 def parse_count(field: str, text: str) -> tuple[int | None, str | None]:
@@ -100,23 +104,24 @@ def parse_count(field: str, text: str) -> tuple[int | None, str | None]:
     return value, None
 
 
-def degree_triples(n: int):
-    """(dp, tp, pp) with dp × tp × pp = n, combined dimensions first, pipelines first."""
+def degree_tuples(n: int):
+    """(dp, tp, pp, cp) with dp × tp × pp × cp = n: combined dimensions first, pipelines
+    first, then data parallelism, context parallelism last."""
     found = [
-        (dp, tp, n // (dp * tp))
-        for dp, tp in itertools.product(range(1, n + 1), repeat=2)
-        if n % (dp * tp) == 0
+        (dp, tp, pp, n // (dp * tp * pp))
+        for dp, tp, pp in itertools.product(range(1, n + 1), repeat=3)
+        if n % (dp * tp * pp) == 0
     ]
-    return sorted(found, key=lambda d: (-sum(x > 1 for x in d), -d[2], -d[0]))
+    return sorted(found, key=lambda d: (-sum(x > 1 for x in d), -d[2], -d[0], d[3]))
 
 
 def hybrid_layout(values: dict, world: int) -> dict | None:
     """A hybrid layout that `validate` accepts on ``world`` engines for this model, or None;
     of those, one that keeps most of the degrees the user chose."""
-    chosen = {k: values[k] for k in DEGREES if values.get(k)}
-    triples = sorted(  # stable: the usual order among those that keep as many
-        degree_triples(world),
-        key=lambda t: -sum(chosen.get(k) == v for k, v in zip(DEGREES, t)),
+    chosen = {k: values[k] for k in WORLD_DEGREES if values.get(k)}
+    layouts = sorted(  # stable: the usual order among those that keep as many
+        degree_tuples(world),
+        key=lambda t: -sum(chosen.get(k) == v for k, v in zip(WORLD_DEGREES, t)),
     )
     base = {
         **values,
@@ -124,12 +129,13 @@ def hybrid_layout(values: dict, world: int) -> dict | None:
         "strategy": "hybrid",
         "schedule": "gpipe",
     }
-    for dp, tp, pp in triples:
+    for layout in layouts:
+        degrees = dict(zip(WORLD_DEGREES, layout))
         try:
-            C.TrainConfig.from_dict({**base, "dp": dp, "tp": tp, "pp": pp}).validate(world)
+            C.TrainConfig.from_dict({**base, **degrees}).validate(world)
         except ConfigError:
             continue
-        return {"dp": dp, "tp": tp, "pp": pp}
+        return degrees
     return None
 
 
@@ -137,10 +143,8 @@ def _advice(values: dict, world: int) -> str:
     layout = hybrid_layout(values, world)
     if layout is None:
         return f" (no hybrid layout of this model fits {world} engines)"
-    return (
-        f" (on these {world} engines e.g. dp {layout['dp']} × tp {layout['tp']} × "
-        f"pp {layout['pp']})"
-    )
+    said = " × ".join(f"{k} {v}" for k, v in layout.items() if k != "cp" or v > 1)
+    return f" (on these {world} engines e.g. {said})"
 
 
 def _neutralise(values: dict, named: set, world: int) -> bool:
@@ -149,7 +153,10 @@ def _neutralise(values: dict, named: set, world: int) -> bool:
     for field in NEUTRAL_ORDER:
         if field == "dp" and named & set(DEGREES):
             hybrid = values.get("strategy") == "hybrid"
-            layout = (hybrid_layout(values, world) if hybrid else None) or dict.fromkeys(DEGREES)
+            layout = (hybrid_layout(values, world) if hybrid else None) or dict.fromkeys(
+                WORLD_DEGREES
+            )
+            layout = {**layout, "ep": None}
             if any(values.get(k) != v for k, v in layout.items()):
                 values.update(layout)
                 return True
@@ -169,7 +176,7 @@ def problems(values: dict, world: int) -> list[str]:
             break
         except ConfigError as err:
             named, text = set(err.fields), in_words(str(err))
-        if values.get("strategy") == "hybrid" and set(DEGREES) <= named:
+        if values.get("strategy") == "hybrid" and {"dp", "tp", "pp"} <= named:
             text += _advice(values, world)
         if text not in found:
             found.append(text)

@@ -73,6 +73,7 @@ class StrategyPicker:
             "strategy": pick("strategy", C.STRATEGIES),
             "backend": pick("backend", C.BACKENDS),
             "schedule": pick("schedule", C.SCHEDULES),
+            "attention": pick("attention", C.ATTENTIONS),
             **{k: pick(k, degrees) for k in R.DEGREES},
             "precision": pick("precision", C.PRECISIONS),
             "offload": pick("offload", C.OFFLOADS),
@@ -122,8 +123,8 @@ class StrategyPicker:
         ):
             widget.add_class(f"nbpar-{name}")
         columns = [
-            w.VBox([f[k] for k in ("model", "strategy", "backend", "schedule")]),
-            w.VBox([f[k] for k in ("dp", "tp", "pp", "precision", "offload")]),
+            w.VBox([f[k] for k in ("model", "strategy", "backend", "schedule", "attention")]),
+            w.VBox([f[k] for k in (*R.DEGREES, "precision", "offload")]),
             w.VBox([f[k] for k in R.COUNTS]),
         ]
         self.widget = w.VBox(
@@ -154,6 +155,8 @@ class StrategyPicker:
         strategy, backend = self.fields["strategy"].value, self.fields["backend"].value
         if name == "schedule":
             return strategy in C.PIPELINED
+        if name == "attention":  # how a sequence split over cp ranks is attended to
+            return strategy == "cp" or (strategy == "hybrid" and (self.fields["cp"].value or 1) > 1)
         if name in R.DEGREES:
             return name in settable_degrees(strategy, backend)
         if name == "offload":
@@ -177,6 +180,8 @@ class StrategyPicker:
                 values[name] = (widget.value or None) if name in R.DEGREES else widget.value
         if not self.applies("schedule"):
             values["schedule"] = C.DEFAULT_SCHEDULE
+        if not self.applies("attention"):
+            values["attention"] = C.DEFAULT_ATTENTION
         if values["model"] != self._base.model:  # the given sizes, data and loss were its
             values.update(model_config=None, dataset=None, loss=None)
         return values, box_problems
@@ -256,11 +261,13 @@ class StrategyPicker:
             cfg = self.config()
             d = cfg.dims(self.world_size(cfg.strategy))
             ranks = "1 rank" if d.world_size == 1 else f"{d.world_size} ranks"
-            text = (
-                f"ready: {cfg.strategy}/{cfg.backend} on {ranks}, dp {d.dp} × tp {d.tp} × pp {d.pp}"
-            )
-            chosen = {k: self.fields[k].value for k in R.DEGREES}
-            if cfg.strategy == "hybrid" and chosen == self._auto_layout:
+            layout = f"dp {d.dp} × tp {d.tp} × pp {d.pp}" + (f" × cp {d.cp}" if d.cp > 1 else "")
+            text = f"ready: {cfg.strategy}/{cfg.backend} on {ranks}, {layout}"
+            if d.ep > 1:
+                text += f", experts over ep {d.ep}"
+            auto = self._auto_layout or {}
+            chosen = {k: self.fields[k].value for k in auto}
+            if cfg.strategy == "hybrid" and auto and chosen == auto:
                 text += (
                     f" (the degrees were auto: hybrid needs all three, so the picker set a "
                     f"layout that runs on {self.pool.n} engines; change them above)"
