@@ -139,10 +139,10 @@ def _exchange(tensors, group, rank: int, cp: int) -> tuple[list[torch.Tensor], l
 
 def _scores(q, k, q_pos, k_pos, scale):
     """Masked scores of q against one K block; None where the mask hides all of it."""
-    mask = q_pos[:, None] >= k_pos[None, :]
+    mask = q_pos[:, None] >= k_pos[None, :]  # host positions: no device sync to test it
     if not bool(mask.any()):
         return None
-    return (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    return (q @ k.transpose(-1, -2) * scale).masked_fill(~mask.to(q.device), float("-inf"))
 
 
 class _RingAttention(torch.autograd.Function):
@@ -151,7 +151,7 @@ class _RingAttention(torch.autograd.Function):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         scale = q.shape[-1] ** -0.5
         out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         block = (k, v)
         groups = q.shape[1] // k.shape[1]  # query heads per key/value head
         for step in range(cp):
