@@ -205,4 +205,5 @@ def test_deepspeed_ulysses_equals_the_torch_backend(alone):
                 rtol=0,
                 msg=lambda m: f"{name}, rank {rank}: {m}",
             )
-            assert set(ds[name][1]) >= {"all_to_all"}, ds[name][1]
+            # DeepSpeed's all-to-alls move what nbpar's do (its ZeRO, other collectives)
+            assert ds[name][1]["all_to_all"] == torch_run[name][1]["all_to_all"], name
