@@ -138,10 +138,11 @@ def _exchange(tensors, group, rank: int, cp: int) -> tuple[list[torch.Tensor], l
 
 
 def _scores(q, k, q_pos, k_pos, scale):
-    """Masked scores of q against one K block; None where the mask hides all of it."""
-    mask = q_pos[:, None] >= k_pos[None, :]  # host positions: no device sync to test it
-    if not bool(mask.any()):
-        return None
+    """Scores of q against one K block, causally masked by the tokens' global positions.
+    In the zigzag split every block is partly visible to every rank (its second chunk
+    comes after every first chunk), so no block is skipped, and nothing here reads a
+    tensor's values on the host (which fake tensors, `nbpar.simulate`, cannot)."""
+    mask = q_pos[:, None] >= k_pos[None, :]
     return (q @ k.transpose(-1, -2) * scale).masked_fill(~mask.to(q.device), float("-inf"))
 
 
@@ -160,18 +161,17 @@ class _RingAttention(torch.autograd.Function):
             owner = (rank - step) % cp
             kb, vb = (repeat_heads(t, groups) for t in block)  # (b, h, s/cp, d)
             s = _scores(q, kb, positions, zigzag_positions(seq_len, cp, owner), scale)
-            if s is not None:
-                blk_lse = torch.logsumexp(s, dim=-1)
-                safe = torch.where(torch.isinf(blk_lse), torch.zeros_like(blk_lse), blk_lse)
-                blk_out = torch.exp(s - safe[..., None]) @ vb
-                new_lse = torch.logaddexp(lse, blk_lse)
-                # the first block is this rank's own, which holds every query's diagonal:
-                # lse is finite from then on, so the weights below are never inf - inf
-                out = (
-                    out * torch.exp(lse - new_lse)[..., None]
-                    + blk_out * torch.exp(blk_lse - new_lse).nan_to_num(0.0)[..., None]
-                )
-                lse = new_lse
+            blk_lse = torch.logsumexp(s, dim=-1)
+            safe = torch.where(torch.isinf(blk_lse), torch.zeros_like(blk_lse), blk_lse)
+            blk_out = torch.exp(s - safe[..., None]) @ vb
+            new_lse = torch.logaddexp(lse, blk_lse)
+            # the first block is this rank's own, which holds every query's diagonal:
+            # lse is finite from then on, so the weights below are never inf - inf
+            out = (
+                out * torch.exp(lse - new_lse)[..., None]
+                + blk_out * torch.exp(blk_lse - new_lse).nan_to_num(0.0)[..., None]
+            )
+            lse = new_lse
             if step < cp - 1:
                 for w in works:
                     w.wait()
@@ -195,12 +195,11 @@ class _RingAttention(torch.autograd.Function):
             owner = (rank - step) % cp
             kb, vb = (repeat_heads(t, groups) for t in block)
             s = _scores(q, kb, positions, zigzag_positions(ctx.seq_len, cp, owner), scale)
-            if s is not None:
-                p = torch.exp(s - lse[..., None])
-                dv = dv + _fold_heads(p.transpose(-1, -2) @ grad_out, groups)
-                ds = p * (grad_out @ vb.transpose(-1, -2) - delta)
-                dq = dq + ds @ kb * scale
-                dk = dk + _fold_heads(ds.transpose(-1, -2) @ q * scale, groups)
+            p = torch.exp(s - lse[..., None])
+            dv = dv + _fold_heads(p.transpose(-1, -2) @ grad_out, groups)
+            ds = p * (grad_out @ vb.transpose(-1, -2) - delta)
+            dq = dq + ds @ kb * scale
+            dk = dk + _fold_heads(ds.transpose(-1, -2) @ q * scale, groups)
             if cp == 1:
                 break
             # pass the block on with its gradients; after the last step only the gradients
