@@ -50,7 +50,7 @@ OWN_DEGREE = {
 }
 HEAD_WORDS = {"heads": "attention heads", "kv_heads": "key/value heads"}
 #: strategies the torch backend runs with FSDP2 (`fully_shard`) when asked to
-FSDP_STRATEGIES = ("zero2", "zero3", "hybrid")
+FSDP_STRATEGIES = ("zero2", "zero3", "hybrid", "cp")
 
 
 def engines_for(strategy: str, pool_size: int) -> int:
@@ -352,7 +352,7 @@ def check_model_degrees(cfg, world_size: int | None) -> None:
         check_degrees(cfg.strategy, cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.ep)
         tp, pp, cp, ep = cfg.tp or 1, cfg.pp or 1, cfg.cp or 1, cfg.ep or 1
     if cp > 1:
-        _check_cp_fits(cfg, cp)
+        _check_cp_fits(cfg, cp, tp)
     if ep > 1:
         _check_ep_fits(cfg, ep)
     from nbpar.model.registry import known_shape
@@ -393,9 +393,10 @@ def _heads(cfg) -> int:
     return cfg.gpt.n_heads
 
 
-def _check_cp_fits(cfg, cp: int) -> None:
+def _check_cp_fits(cfg, cp: int, tp: int = 1) -> None:
     """The ring deals every sequence in 2 cp chunks (zigzag); Ulysses splits the
-    sequence in cp parts and the heads over the cp ranks."""
+    sequence in cp parts and each tensor-parallel rank's heads over the cp ranks; the
+    context-parallel kernels have no attention dropout."""
     seq = cfg.gpt.seq_len
     parts = 2 * cp if cfg.attention == "ring" else cp
     if seq % parts:
@@ -406,12 +407,20 @@ def _check_cp_fits(cfg, cp: int) -> None:
             fields=("cp", "gpt.seq_len"),
         )
     heads = _heads(cfg)
-    if cfg.attention == "ulysses" and heads % cp:
+    if cfg.attention == "ulysses" and heads % (cp * tp):
+        split = f"{cp}" if tp == 1 else f"cp x tp = {cp * tp}"
         raise ConfigError(
-            f"Ulysses gives each of the cp={cp} ranks its share of the heads: the "
-            f"{heads} attention heads of {cfg.model} do not divide by {cp} "
-            f"(use attention='ring', or a cp that divides {heads})",
-            fields=("cp", "attention"),
+            f"Ulysses gives each of the cp={cp} ranks its share of the heads"
+            f"{' of a tensor-parallel rank' if tp > 1 else ''}: the {heads} attention "
+            f"heads of {cfg.model} do not divide by {split} (use attention='ring', or a "
+            f"cp that divides {heads // tp if heads % tp == 0 else heads})",
+            fields=("cp", "attention") + (("tp",) if tp > 1 else ()),
+        )
+    if cfg.model == "tiny_gpt" and cfg.gpt.dropout > 0:
+        raise ConfigError(
+            f"context-parallel attention has no dropout: set gpt.dropout=0 with cp={cp} "
+            f"(got {cfg.gpt.dropout})",
+            fields=("gpt.dropout", "cp"),
         )
 
 

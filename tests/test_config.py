@@ -76,6 +76,25 @@ BAD = [
     (dict(gpt=GPTConfig(d_model=30, n_heads=4)), 2, "gpt.n_heads=4 must divide gpt.d_model=30"),
     (dict(gpt=GPTConfig(vocab_size=100)), 2, "vocab_size=100 is too small"),
     (dict(checkpoint_every=5), 2, "checkpoint_every > 0 needs checkpoint_dir"),
+    (dict(strategy="ddp", attention="ulysses"), 2, "applies to strategy 'cp'"),
+    (dict(strategy="cp", model="hf:gpt2"), 2, "runs tiny_gpt and hf:llama, not 'hf:gpt2'"),
+    (dict(strategy="cp", backend="deepspeed"), 2, "use attention='ulysses' with backend"),
+    (dict(strategy="cp", gpt=GPTConfig(seq_len=20)), 4, "seq_len=20 does not divide by 8"),
+    (
+        dict(strategy="cp", attention="ulysses", gpt=GPTConfig(n_heads=2, d_model=32)),
+        4,
+        "2 attention heads of tiny_gpt do not divide by 4",
+    ),
+    (  # Ulysses splits a tensor-parallel rank's heads: 4 heads / tp 2 over cp 4
+        dict(strategy="hybrid", cp=4, tp=2, attention="ulysses", gpt=GPTConfig(seq_len=32)),
+        8,
+        "do not divide by cp x tp = 8",
+    ),
+    (
+        dict(strategy="cp", gpt=GPTConfig(dropout=0.1)),
+        2,
+        "context-parallel attention has no dropout",
+    ),
 ]
 
 
@@ -107,6 +126,7 @@ def test_pipeline_options_checked_without_world_size():
         (dict(strategy="cp", cp=2), 4, ((1, 2, 2, 1), 1)),  # data parallel takes the rest
         (dict(strategy="cp", dp=2), 4, ((1, 2, 2, 1), 1)),
         (dict(strategy="hybrid", dp=2, cp=2, tp=2), 8, ((1, 2, 2, 2), 1)),
+        (dict(strategy="cp", cp=2, fsdp_reshard=True), 4, ((1, 2, 2, 1), 1)),  # FSDP on dp x cp
     ],
 )
 def test_default_degrees(kwargs, world, expect):

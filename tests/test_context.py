@@ -11,23 +11,26 @@ from tests.distributed import run_distributed
 B, H, S, D = 2, 4, 16, 8
 
 
-def _full(seed: int = 0):
-    """q, k, v over the whole sequence and an upstream gradient, the same on every rank."""
+def _full(seed: int = 0, kv: int = H):
+    """q, k, v over the whole sequence (k and v with ``kv`` heads) and an upstream
+    gradient, the same on every rank."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(B, H, S, D, generator=g, dtype=torch.float64) for _ in range(4)]
+    return [
+        torch.randn(B, heads, S, D, generator=g, dtype=torch.float64) for heads in (H, kv, kv, H)
+    ]
 
 
-def _attend(rank, world, kind):
+def _attend(rank, world, kind, kv=H):
     import torch.nn.functional as F
 
     from nbpar.measure.comm import CommMeter
     from nbpar.parallel.context import context_attention, local_positions
 
-    q, k, v, grad = _full()
+    q, k, v, grad = _full(kv=kv)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
-    want = F.scaled_dot_product_attention(*full, is_causal=True)
+    want = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=kv != H)
     want.backward(grad)
     pos = local_positions(kind, S, world, rank)
     mine = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
@@ -54,6 +57,24 @@ def test_context_attention_equals_one_process(kind, cp):
             # forward: cp-1 K/V pairs; backward: cp-1 K/V pairs and cp dK/dV pairs
             assert set(by_op) == {"send_recv"}, by_op
             assert by_op["send_recv"] == pytest.approx(2 * block * (2 * (cp - 1) + cp))
+
+
+@pytest.mark.parametrize(("kind", "cp"), [("ring", 2), ("ulysses", 2), ("ulysses", 4)])
+def test_grouped_query_attention_equals_one_process(kind, cp):
+    """Llama's 2 key/value heads for 4 query heads: the ring passes K/V blocks of 2 heads
+    (and their gradients, summed over each group); Ulysses splits them where cp divides
+    2, and repeats them to the 4 query heads first where it does not (cp = 4)."""
+    kv = 2
+    q_block = B * H * (S // cp) * D * 8  # one rank's q in bytes, fp64
+    kv_block = q_block * kv // H
+    for errors, by_op, _ in run_distributed(_attend, cp, kind, kv):
+        assert max(errors.values()) < 1e-10, errors
+        if kind == "ring":
+            assert by_op == {"send_recv": pytest.approx(2 * kv_block * (2 * (cp - 1) + cp))}
+        else:
+            moved_kv = kv_block if kv % cp == 0 else q_block  # as split, or repeated
+            want = 2 * (2 * q_block + 2 * moved_kv) * (cp - 1) / cp
+            assert by_op == {"all_to_all": pytest.approx(want)}, by_op
 
 
 def test_bad_splits_are_refused_in_one_line():

@@ -87,6 +87,7 @@ def test_classic_config_built_for_matching_train_config():
     assert d["zero_optimization"]["stage3_param_persistence_threshold"] == 0
     assert d["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
     assert d["zero_force_ds_cpu_optimizer"] is False
+    assert d["zero_allow_untested_optimizer"] is True  # ZeRO with torch.optim.SGD
     assert d["optimizer"] == {"type": "Adam", "params": {"lr": 1e-3}}
     assert d["fp16"] == {"enabled": True}
     validate_ds_config(d)  # what we add is itself a valid DeepSpeed config

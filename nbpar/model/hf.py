@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nbpar.model.plan import ModelPlan, run_layers
+from nbpar.model.plan import ModelPlan, run_layers, token_positions
 
 # small defaults, byte-level vocabulary, untied embeddings (a pipeline can cut them)
 FAMILIES = {
@@ -70,6 +70,19 @@ SHAPE_KEYS = {
     ),
 }
 TP_STYLES = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel"}
+#: the name under which transformers' attention registry finds `context_attention_forward`
+CONTEXT_ATTENTION = "nbpar_context"
+
+
+def context_attention_forward(module: nn.Module, query, key, value, attention_mask, **kwargs):
+    """An attention function of transformers' registry that calls the module's
+    ``context_attention(q, k, v)`` (context parallelism: this rank's share of the tokens
+    over the whole causal sequence; no mask, no dropout). q (b, h, s, hd) and k, v
+    (b, kv heads, s, hd) in; (b, s, h, hd) out, as the registry's functions return."""
+    if attention_mask is not None:
+        raise ValueError("context-parallel attention is causal and takes no attention mask")
+    out = module.context_attention(query, key, value)  # (b, h, s, hd)
+    return out.transpose(1, 2), None
 
 
 def linear_from_conv1d(conv: nn.Module, lo: int = 0, hi: int | None = None) -> nn.Linear:
@@ -209,10 +222,25 @@ class HFCausalLM(nn.Module):
         self.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(layers)})
         self.head = lm.lm_head
         self.checkpointing = False
+        # the global positions of the tokens this module is given, where context
+        # parallelism hands it some of each sequence's; None = 0..s-1
+        self.positions: torch.Tensor | None = None
+
+    def set_context_attention(self, attend) -> None:
+        """Every layer's attention calls ``attend(q, k, v)`` (context parallelism), through
+        transformers' attention registry; None: back to its SDPA. Llama only."""
+        if self.family != "llama":
+            raise ValueError(f"context parallelism runs hf:llama, not hf:{self.family}")
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(CONTEXT_ATTENTION, context_attention_forward)
+        for layer in self.layers.values():
+            layer.self_attn.context_attention = attend
+        self.config._attn_implementation = "sdpa" if attend is None else CONTEXT_ATTENTION
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x) if self.embed is not None else x  # ids (b, s) -> (b, s, d)
-        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)  # (1, s)
+        positions = token_positions(self.positions, h.shape[1], h.device).unsqueeze(0)  # (1, s)
         if self.pos is not None:
             h = h + self.pos(positions)
         kwargs = {}

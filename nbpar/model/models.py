@@ -10,11 +10,13 @@ column-wise and ``wo``/``w2`` row-wise (Megatron-LM, Shoeybi et al. 2019).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nbpar.model.plan import run_layers
+from nbpar.model.plan import run_layers, token_positions
 
 # Sizes arrive as a `nbpar.config.GPTConfig`; it is not imported here, since the config
 # builds a model to check a resume (an import would be a cycle).
@@ -46,6 +48,9 @@ class Attention(nn.Module):
         self.dropout = cfg.dropout
         self.wq, self.wk, self.wv = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
         self.wo = nn.Linear(d, d)
+        # context parallelism's attention over a sequence split across ranks, set by
+        # `nbpar.parallel.cp.apply_cp`: (q, k, v) -> out, each (b, h, local tokens, hd)
+        self.context: Callable | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -53,8 +58,11 @@ class Attention(nn.Module):
         q, k, v = (
             w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv)
         )
-        p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        if self.context is not None:  # this rank holds some of the tokens (no dropout)
+            y = self.context(q, k, v)
+        else:
+            p = self.dropout if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))  # (b, s, h*hd) @ (d, d)
 
 
@@ -99,6 +107,9 @@ class TinyGPT(nn.Module):
         self.norm = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.checkpointing = False  # activation checkpointing per block
+        # the global positions of the tokens this module is given, where context
+        # parallelism hands it some of each sequence's (`nbpar.parallel.cp`); None = 0..s-1
+        self.positions: torch.Tensor | None = None
         self.apply(_init_weights)
 
     def parallel_plan(self):
@@ -118,12 +129,18 @@ class TinyGPT(nn.Module):
             last=("norm", "head"),
         )
 
+    def set_context_attention(self, attend: Callable | None) -> None:
+        """Every block attends with ``attend(q, k, v)`` (context parallelism: this rank's
+        share of each sequence over the whole of it); None: ordinary causal attention."""
+        for block in self.layers.values():
+            block.attn.context = attend
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tok_emb is not None:
             # token ids (b, s) -> hidden (b, s, d)
             h = self.tok_emb(x)
             if self.pos_emb is not None:
-                h = h + self.pos_emb(torch.arange(x.shape[1], device=x.device))
+                h = h + self.pos_emb(token_positions(self.positions, x.shape[1], x.device))
         else:
             h = x  # hidden states (b, s, d) from the previous pipeline stage
         h = run_layers(self.layers, h, self.checkpointing)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 
@@ -92,6 +93,19 @@ def tp_replicated_parameters(model: nn.Module) -> int:
             if isinstance(style, ColwiseParallel) and getattr(module, "bias", None) is not None:
                 split += module.bias.numel()
     return sum(p.numel() for p in model.parameters()) - split
+
+
+def token_positions(positions: torch.Tensor | None, s: int, device) -> torch.Tensor:
+    """The global positions of ``s`` tokens: ``positions`` where context parallelism set
+    them (their count must be ``s``), else 0..s-1."""
+    if positions is None:
+        return torch.arange(s, device=device)
+    if positions.numel() != s:
+        raise ValueError(
+            f"this rank holds {positions.numel()} tokens of each sequence under context "
+            f"parallelism, got {s}: every sequence must have the run's seq_len"
+        )
+    return positions.to(device)
 
 
 def run_layers(layers: nn.ModuleDict, h, checkpointing: bool = False, **kwargs):

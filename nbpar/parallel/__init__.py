@@ -50,6 +50,8 @@ DISPATCH = {
     ("pipeline", "deepspeed", None): "ds_pipeline",
     ("tp", None, None): "tensor",
     ("hybrid", None, None): "hybrid",
+    ("cp", "torch", None): "cp",
+    ("cp", "deepspeed", None): "ds_cp",
 }
 
 

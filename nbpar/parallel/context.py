@@ -17,7 +17,11 @@ Each rank holds ``s / cp`` tokens of every sequence. Two ways to attend over all
   2cp, the same amount of unmasked work on every rank.
 
 Tensors are (batch, heads, local tokens, head dim); ``positions`` are the global
-positions of this rank's tokens, which the causal mask compares.
+positions of this rank's tokens, which the causal mask compares. k and v may have fewer
+heads than q (grouped-query attention, Ainslie et al. 2023: query head i reads key/value
+head i // (h / kv)); the ring then passes the K/V blocks at their own size, and Ulysses
+splits them over the ranks where the cp degree divides their heads, else repeats them to
+the query heads first.
 """
 
 from __future__ import annotations
@@ -81,11 +85,14 @@ def _seq_to_heads(x: torch.Tensor, cp: int, group) -> torch.Tensor:
 
 
 def _heads_to_seq(x: torch.Tensor, cp: int, group) -> torch.Tensor:
-    """(b, h/cp, s, d) head-split -> (b, h, s/cp, d) sequence-split."""
+    """(b, h/cp, s, d) head-split -> (b, h, s/cp, d) sequence-split, laid out as (b, s/cp,
+    h, d) in memory (as SDPA returns its output), so the output projection reads it as
+    (b, s/cp, h d) without copying it again."""
     b, h_local, s, d = x.shape
     slots = x.reshape(b, h_local, cp, s // cp, d).permute(2, 0, 1, 3, 4)  # slot j: j's tokens
     got = _AllToAll.apply(slots, group)  # slot j: rank j's heads of my tokens
-    return got.transpose(0, 1).reshape(b, cp * h_local, s // cp, d)
+    # (cp, b, h/cp, s/cp, d) -> (b, s/cp, cp, h/cp, d) -> (b, s/cp, h, d) -> (b, h, s/cp, d)
+    return got.permute(1, 3, 0, 2, 4).reshape(b, s // cp, cp * h_local, d).transpose(1, 2)
 
 
 def ulysses_attention(q, k, v, group=None, *, causal: bool = True) -> torch.Tensor:
@@ -97,12 +104,26 @@ def ulysses_attention(q, k, v, group=None, *, causal: bool = True) -> torch.Tens
             f"Ulysses splits the heads over cp = {cp} ranks: {q.shape[1]} heads do not "
             f"divide by {cp} (use attention='ring', or a cp that divides the heads)"
         )
+    if k.shape[1] % cp:  # fewer key/value heads than ranks: each rank needs whole groups
+        k, v = (repeat_heads(t, q.shape[1] // t.shape[1]) for t in (k, v))
     q, k, v = (_seq_to_heads(t, cp, group) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    gqa = q.shape[1] != k.shape[1]  # rank r: query heads r h/cp.., key/value r kv/cp..
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
     return _heads_to_seq(out, cp, group)
 
 
 # ---- Ring --------------------------------------------------------------------------------
+
+
+def repeat_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """(b, kv, s, d) -> (b, kv * groups, s, d): each key/value head once per query head
+    of its group (transformers' ``repeat_kv``)."""
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _fold_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """(b, kv * groups, s, d) -> (b, kv, s, d): the gradient of `repeat_heads`."""
+    return t if groups == 1 else t.unflatten(1, (-1, groups)).sum(2)
 
 
 def _exchange(tensors, group, rank: int, cp: int) -> tuple[list[torch.Tensor], list]:
@@ -117,11 +138,12 @@ def _exchange(tensors, group, rank: int, cp: int) -> tuple[list[torch.Tensor], l
 
 
 def _scores(q, k, q_pos, k_pos, scale):
-    """Masked scores of q against one K block; None where the mask hides all of it."""
+    """Scores of q against one K block, causally masked by the tokens' global positions.
+    In the zigzag split every block is partly visible to every rank (its second chunk
+    comes after every first chunk), so no block is skipped, and nothing here reads a
+    tensor's values on the host (which fake tensors, `nbpar.simulate`, cannot)."""
     mask = q_pos[:, None] >= k_pos[None, :]
-    if not bool(mask.any()):
-        return None
-    return (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    return (q @ k.transpose(-1, -2) * scale).masked_fill(~mask.to(q.device), float("-inf"))
 
 
 class _RingAttention(torch.autograd.Function):
@@ -130,25 +152,26 @@ class _RingAttention(torch.autograd.Function):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         scale = q.shape[-1] ** -0.5
         out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         block = (k, v)
+        groups = q.shape[1] // k.shape[1]  # query heads per key/value head
         for step in range(cp):
             if step < cp - 1:  # the next block travels while this one is computed
                 incoming, works = _exchange(block, group, rank, cp)
             owner = (rank - step) % cp
-            s = _scores(q, block[0], positions, zigzag_positions(seq_len, cp, owner), scale)
-            if s is not None:
-                blk_lse = torch.logsumexp(s, dim=-1)
-                safe = torch.where(torch.isinf(blk_lse), torch.zeros_like(blk_lse), blk_lse)
-                blk_out = torch.exp(s - safe[..., None]) @ block[1]
-                new_lse = torch.logaddexp(lse, blk_lse)
-                # the first block is this rank's own, which holds every query's diagonal:
-                # lse is finite from then on, so the weights below are never inf - inf
-                out = (
-                    out * torch.exp(lse - new_lse)[..., None]
-                    + blk_out * torch.exp(blk_lse - new_lse).nan_to_num(0.0)[..., None]
-                )
-                lse = new_lse
+            kb, vb = (repeat_heads(t, groups) for t in block)  # (b, h, s/cp, d)
+            s = _scores(q, kb, positions, zigzag_positions(seq_len, cp, owner), scale)
+            blk_lse = torch.logsumexp(s, dim=-1)
+            safe = torch.where(torch.isinf(blk_lse), torch.zeros_like(blk_lse), blk_lse)
+            blk_out = torch.exp(s - safe[..., None]) @ vb
+            new_lse = torch.logaddexp(lse, blk_lse)
+            # the first block is this rank's own, which holds every query's diagonal:
+            # lse is finite from then on, so the weights below are never inf - inf
+            out = (
+                out * torch.exp(lse - new_lse)[..., None]
+                + blk_out * torch.exp(blk_lse - new_lse).nan_to_num(0.0)[..., None]
+            )
+            lse = new_lse
             if step < cp - 1:
                 for w in works:
                     w.wait()
@@ -167,15 +190,16 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros_like(q)
         block = (k, v)
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)  # of the block held, travelling
+        groups = q.shape[1] // k.shape[1]
         for step in range(cp):
             owner = (rank - step) % cp
-            s = _scores(q, block[0], positions, zigzag_positions(ctx.seq_len, cp, owner), scale)
-            if s is not None:
-                p = torch.exp(s - lse[..., None])
-                dv = dv + p.transpose(-1, -2) @ grad_out
-                ds = p * (grad_out @ block[1].transpose(-1, -2) - delta)
-                dq = dq + ds @ block[0] * scale
-                dk = dk + ds.transpose(-1, -2) @ q * scale
+            kb, vb = (repeat_heads(t, groups) for t in block)
+            s = _scores(q, kb, positions, zigzag_positions(ctx.seq_len, cp, owner), scale)
+            p = torch.exp(s - lse[..., None])
+            dv = dv + _fold_heads(p.transpose(-1, -2) @ grad_out, groups)
+            ds = p * (grad_out @ vb.transpose(-1, -2) - delta)
+            dq = dq + ds @ kb * scale
+            dk = dk + _fold_heads(ds.transpose(-1, -2) @ q * scale, groups)
             if cp == 1:
                 break
             # pass the block on with its gradients; after the last step only the gradients

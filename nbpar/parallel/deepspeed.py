@@ -143,6 +143,10 @@ class DeepSpeedRunner(StepRunner):
     accumulation steps and applies the fp16 loss scale), ``engine.step`` (which
     steps the optimizer only at the accumulation boundary)."""
 
+    #: the share of its loss a rank's backward carries: 1, or 1/cp under Ulysses, whose
+    #: gradients DeepSpeed sums over the sequence-parallel ranks (`nbpar.parallel.ds_cp`)
+    loss_share: float = 1.0
+
     def __init__(self, engine, loss, config: dict):
         super().__init__(engine, engine.optimizer, loss, device_type=engine.device.type)
         self.engine = engine
@@ -168,7 +172,7 @@ class DeepSpeedRunner(StepRunner):
             if x.is_floating_point():
                 x = x.to(self.dtype)
             loss = self.loss_fn(self.engine(x).float(), y)
-            self.engine.backward(loss)
+            self.engine.backward(loss * self.loss_share if self.loss_share != 1.0 else loss)
             if i == len(micro_batches) - 1:  # DeepSpeed frees its gradients inside step()
                 self._boundary_grad_bytes = self._grad_bytes()
             self.engine.step()
@@ -270,19 +274,20 @@ def release(engine) -> None:
         stack[:] = [m for m in stack if m is not module]
 
 
-def initialize(model, config: dict, mesh=None):
+def initialize(model, config: dict, mesh=None, mpu=None):
     """``deepspeed.initialize`` on the existing process group with a client optimizer.
 
     ``config`` is a full ds_config (see `nbpar.parallel.ds_config.ds_config_for`); its
     "optimizer" section becomes the client optimizer. With a ``mesh`` whose dp
-    is smaller than the world, the engine gets the dp group through `MeshMPU`.
+    is smaller than the world, the engine gets the dp group through `MeshMPU`; an
+    ``mpu`` given (context parallelism's groups) is passed as it is.
     """
     deepspeed = import_deepspeed()
     config = dict(config)
     section = config.pop("optimizer")
     opt = client_optimizer(section, [p for p in model.parameters() if p.requires_grad])
-    mpu = None  # (no pipeline stages here: `nbpar.strategies.splits`)
-    if mesh is not None and mesh["dp"].size() != mesh.size():
+    # (no pipeline stages here: `nbpar.strategies.splits`)
+    if mpu is None and mesh is not None and mesh["dp"].size() != mesh.size():
         mpu = MeshMPU(mesh)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=opt, config=config, mpu=mpu, dist_init_required=False

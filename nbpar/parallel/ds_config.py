@@ -395,6 +395,9 @@ def ds_config_for(cfg, dp_size: int) -> dict:
     if stage == 3 and zero.get("stage3_param_persistence_threshold", 0) in (0, "auto"):
         zero["stage3_param_persistence_threshold"] = 0
     d.setdefault("zero_force_ds_cpu_optimizer", False)
+    # the client optimizer is a torch one (`deepspeed.client_optimizer`); ZeRO refuses
+    # torch.optim.SGD at init ("untested ZeRO Optimizer") unless allowed
+    d.setdefault("zero_allow_untested_optimizer", True)
     d.setdefault("steps_per_print", 10**9)
     _no_auto_left(d)
     return d

@@ -1,4 +1,5 @@
-"""3-D parallelism: pipeline x tensor x data parallel on one ("pp","dp","tp") mesh.
+"""3-D parallelism and more: pipeline x tensor x data (x context) parallel on one
+("pp", "dp", "cp", "tp") mesh.
 
 The Megatron-LM recipe (Narayanan et al. 2021), composed torchtitan-style:
 cut the model into pipeline stages on ``mesh["pp"]``, split each stage's
@@ -7,7 +8,9 @@ blocks Megatron-style on ``mesh["tp"]``, then replicate the stages over
 ``cfg.fsdp_reshard`` None -> every replica keeps full (tp-local) params and
 gradients are averaged with one all-reduce over dp after the pipeline step
 (DDP's math); True/False -> FSDP2 on each stage module (ZeRO-3 / ZeRO-2), whose
-gradient sync the pipeline stage defers to the last micro-batch.
+gradient sync the pipeline stage defers to the last micro-batch. With cp > 1 every stage
+attends over a sequence split across ``mesh["cp"]`` (`nbpar.parallel.cp`), and "data
+parallel" means every dp x cp rank ("dp_cp"), as torchtitan's FSDP over dp_shard_cp.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from nbpar.measure.holdings import local_tensor
 from nbpar.strategies import reshard_after_forward
 
 from . import pipeline
+from .cp import OwnTokens, apply_cp, data_mesh, own_positions
 from .runner import StepRunner
 
 
@@ -42,6 +46,12 @@ class HybridRunner(pipeline.PipelineRunner):
             g.copy_(chunk.view_as(g))
 
 
+class ContextHybridRunner(OwnTokens, HybridRunner):
+    """A hybrid runner whose stages also split every sequence over cp: the pipeline
+    carries this rank's tokens, (b, s/cp) ids into the first stage, (b, s/cp, d) between
+    stages."""
+
+
 def _apply_fsdp(chunk: nn.Module, dp_mesh, reshard: bool) -> nn.Module:
     """FSDP2 on one stage module: one group per block, the rest at the root."""
     try:
@@ -52,21 +62,25 @@ def _apply_fsdp(chunk: nn.Module, dp_mesh, reshard: bool) -> nn.Module:
 
 
 def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> StepRunner:
-    """Runner for any dp x tp x pp split of ``model`` given by ``mesh``.
+    """Runner for any dp x cp x tp x pp split of ``model`` given by ``mesh``.
 
     With pp == 1 there is no pipeline: tensor x data parallel is
-    ``tensor.build_runner``'s job and is delegated there; backend deepspeed
-    goes to ``ds_pipeline`` (pp x dp, no tp).
+    ``tensor.build_runner``'s job, with cp > 1 ``cp.build_runner``'s, and is delegated
+    there; backend deepspeed goes to ``ds_pipeline`` (pp x dp, no tp, no cp).
     """
     if cfg.backend == "deepspeed":  # pp x dp via PipelineModule
         from . import ds_pipeline
 
         return ds_pipeline.build_runner(model, cfg, mesh, loss_fn=loss_fn)
-    pp, dp, tp = mesh["pp"].size(), mesh["dp"].size(), mesh["tp"].size()
+    pp, tp, cp = mesh["pp"].size(), mesh["tp"].size(), mesh["cp"].size()
     from .tensor import apply_tp, check_tp
 
     if tp > 1:
         check_tp(model, tp)
+    if pp == 1 and cp > 1:  # context (x tensor, x data) parallel, no pipeline
+        from . import cp as context
+
+        return context.build_runner(model, cfg, mesh, loss_fn=loss_fn)
     if pp == 1:
         from . import tensor
 
@@ -74,22 +88,28 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> StepRunner:
         flat.strategy = "tp"
         return tensor.build_runner(model, flat, mesh, loss_fn=loss_fn)
     reshard = reshard_after_forward(cfg.strategy, cfg.fsdp_reshard)
-    dp_mesh = mesh["dp"]
+    data = data_mesh(mesh)  # every dp (x cp) rank: where the gradients are averaged
+    seq_len = cfg.gpt.seq_len
 
     def prepare(chunk: nn.Module) -> nn.Module:
         if tp > 1:
             apply_tp(chunk, mesh["tp"])
-        if dp > 1 and reshard is not None:
-            _apply_fsdp(chunk, dp_mesh, reshard)
+        if cp > 1:  # every stage attends over the split sequence, (b, s/cp, d) between
+            apply_cp(chunk, mesh["cp"], cfg.attention, seq_len)
+        if data.size() > 1 and reshard is not None:
+            _apply_fsdp(chunk, data, reshard)
         return chunk
 
-    dp_group = dp_mesh.get_group() if dp > 1 and reshard is None else None
+    runner_kwargs = {"runner_cls": HybridRunner}
+    if cp > 1:
+        positions = own_positions(mesh["cp"], cfg.attention, seq_len)
+        runner_kwargs = dict(runner_cls=ContextHybridRunner, positions=positions, seq_len=seq_len)
     return pipeline.build_runner(
         model,
         cfg,
         mesh,
         loss_fn=loss_fn,
         prepare=prepare,
-        runner_cls=HybridRunner,
-        dp_group=dp_group,
+        dp_group=data.get_group() if data.size() > 1 and reshard is None else None,
+        **runner_kwargs,
     )
