@@ -104,3 +104,33 @@ def _few_heads(rank, world):
 def test_ulysses_refuses_heads_that_do_not_divide():
     for said in run_distributed(_few_heads, 2):
         assert said is not None and "3 heads do not divide by 2" in said
+
+
+def _traced(rank, world):
+    from nbpar.parallel.context import context_attention, local_positions
+    from nbpar.parallel.ring_trace import RingTrace
+
+    q, k, v, grad = _full()
+    pos = local_positions("ring", S, world, rank)
+    mine = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
+    context_attention("ring", *mine).sum().backward()  # untraced: nothing recorded
+    with RingTrace() as trace:
+        context_attention("ring", *mine).backward(grad[:, :, pos])
+    return trace.spans
+
+
+def test_a_ring_trace_shows_each_block_computed_while_the_next_travels():
+    """Forward: cp compute steps, and cp - 1 transfers each posted before the compute of
+    its step begins (the next block travels meanwhile); backward: cp of each."""
+    cp = 4
+    for spans in run_distributed(_traced, cp):
+        fwd = [s for s in spans if s["pass"] == "forward"]
+        computes = [s for s in fwd if s["kind"] == "compute"]
+        transfers = [s for s in fwd if s["kind"] == "transfer"]
+        assert [s["step"] for s in computes] == list(range(cp))
+        assert [s["step"] for s in transfers] == list(range(cp - 1))
+        for t in transfers:
+            c = computes[t["step"]]
+            assert t["start"] <= c["start"] < c["end"] <= t["end"]  # in flight meanwhile
+        back = [s for s in spans if s["pass"] == "backward"]
+        assert len(back) == 2 * cp and min(s["start"] for s in spans) == 0.0

@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from nbpar.parallel.ring_trace import RingTrace
+
 ATTENTIONS = ("ring", "ulysses")
 
 
@@ -155,9 +157,12 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         block = (k, v)
         groups = q.shape[1] // k.shape[1]  # query heads per key/value head
+        trace = RingTrace.active
         for step in range(cp):
             if step < cp - 1:  # the next block travels while this one is computed
+                posted = trace.mark(q) if trace else None
                 incoming, works = _exchange(block, group, rank, cp)
+            begun = trace.mark(q) if trace else None
             owner = (rank - step) % cp
             kb, vb = (repeat_heads(t, groups) for t in block)  # (b, h, s/cp, d)
             s = _scores(q, kb, positions, zigzag_positions(seq_len, cp, owner), scale)
@@ -172,10 +177,14 @@ class _RingAttention(torch.autograd.Function):
                 + blk_out * torch.exp(blk_lse - new_lse).nan_to_num(0.0)[..., None]
             )
             lse = new_lse
+            if trace:
+                trace.add("forward", step, "compute", begun, trace.mark(q))
             if step < cp - 1:
                 for w in works:
                     w.wait()
                 block = tuple(incoming)
+                if trace:
+                    trace.add("forward", step, "transfer", posted, trace.mark(q))
         ctx.save_for_backward(q, k, v, out, lse, positions)
         ctx.group, ctx.seq_len = group, seq_len
         return out
@@ -191,7 +200,9 @@ class _RingAttention(torch.autograd.Function):
         block = (k, v)
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)  # of the block held, travelling
         groups = q.shape[1] // k.shape[1]
+        trace = RingTrace.active
         for step in range(cp):
+            begun = trace.mark(q) if trace else None
             owner = (rank - step) % cp
             kb, vb = (repeat_heads(t, groups) for t in block)
             s = _scores(q, kb, positions, zigzag_positions(ctx.seq_len, cp, owner), scale)
@@ -200,14 +211,19 @@ class _RingAttention(torch.autograd.Function):
             ds = p * (grad_out @ vb.transpose(-1, -2) - delta)
             dq = dq + ds @ kb * scale
             dk = dk + _fold_heads(ds.transpose(-1, -2) @ q * scale, groups)
+            if trace:
+                trace.add("backward", step, "compute", begun, trace.mark(q))
             if cp == 1:
                 break
             # pass the block on with its gradients; after the last step only the gradients
             # move, one hop home to their owner
             send = (*block, dk, dv) if step < cp - 1 else (dk, dv)
+            posted = trace.mark(q) if trace else None
             got, works = _exchange(send, group, rank, cp)
             for w in works:
                 w.wait()
+            if trace:
+                trace.add("backward", step, "transfer", posted, trace.mark(q))
             if step < cp - 1:
                 block, (dk, dv) = tuple(got[:2]), got[2:]
             else:
