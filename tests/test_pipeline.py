@@ -9,11 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nbpar.measure.clocks import clock_offset, cristian_offset
 from nbpar.measure.timeline import (
     SETUP_STEPS,
     bubble_fraction,
-    clock_offset,
-    cristian_offset,
     plot_timeline,
     schedule_bubble,
     theory_bubble,

@@ -173,7 +173,7 @@ class PipelineRunner(SpanReports, StepRunner):
     stage so every pp rank returns the same number. ``timeline()`` and the bubbles
     are the run's typical step (`timeline.StepTimelines`) of all pp ranks, in seconds
     from pp rank 0's step start; other ranks' clocks are mapped onto rank 0's with an
-    offset measured once at construction (``timeline.clock_offset``).
+    offset measured once at construction (``clocks.clock_offset``).
     """
 
     def __init__(

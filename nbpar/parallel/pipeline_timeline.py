@@ -4,7 +4,7 @@ run's timelines; the same for torch's schedules and DeepSpeed's PipelineEngine.
 A runner's stages append one span per micro-batch and pass (`span`: stage, microbatch,
 kind "F"/"B", start and end marks of `nbpar.measure.clocks`); `PipelineSpans` opens each
 step (its spans cleared, the pp ranks lined up by a barrier), then reads the marks as
-seconds on pp rank 0's clock (an offset measured once, `timeline.clock_offset`) and
+seconds on pp rank 0's clock (an offset measured once, `clocks.clock_offset`) and
 gathers every rank's spans into `timeline.StepTimelines`, which keeps the typical step.
 `SpanReports` gives a runner its ``timeline()`` and bubbles from them.
 """
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from nbpar.measure import timeline as _timeline
-from nbpar.measure.clocks import HostClock
+from nbpar.measure.clocks import HostClock, clock_offset
 
 
 def read_spans(events: list[dict], marks: HostClock, offset: float) -> None:
@@ -40,7 +40,7 @@ class PipelineSpans:
         self.pp_group, self.pp_size = pp_group, dist.get_world_size(pp_group)
         self.events, self.clock, self.marks = events, clock, marks
         self.timelines = _timeline.StepTimelines()
-        self.clock[0] = _timeline.clock_offset(pp_group)  # to pp rank 0's clock
+        self.clock[0] = clock_offset(pp_group)  # to pp rank 0's clock
 
     def begin(self) -> tuple[float, bool]:
         """Open a step: (its start on pp rank 0's clock, whether it is metered: a metered
