@@ -9,10 +9,11 @@ I and W one micro-batch's forward, input gradient and weight gradient take on a 
   one third of 1F1B's when F = I = W. DeepSeek-V3's table writes it (p-1)(F+B-2W) with
   B the full backward: the same formula.
 
-As a share of the step: bubble / (bubble + m(F+I+W)); 1F1B's is (p-1)/(m+p-1). ZB-V and
-DualPipeV claim none at F = I = W, which torch's orders do not reach on a real step:
-`nbpar.measure.timeline.schedule_bubble` replays the order the ranks really ran with
-these boxes, the formulas show what a schedule of the paper's shape would idle.
+As a share of the step: bubble / (bubble + m(F+I+W)); 1F1B's is (p-1)/(m+p-1). ZB-V (no
+bubble at F = I = W in its paper) and DualPipeV get no formula here: torch's orders of
+both, replayed with equal boxes, idle (p-1) forwards of one stage a device (the first
+micro-batch's way down the V). What they idle with real boxes is what
+`nbpar.measure.timeline.schedule_bubble` replays from the order the ranks ran.
 F, I and W are the mean box lengths of each stage (stalls left out), summed over a
 device's stages and averaged over the devices. torch computes no input gradient on stage
 0 (its input is token ids): there an I box is empty and W holds the whole backward.
