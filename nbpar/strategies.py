@@ -205,10 +205,18 @@ def check_pipeline_schedule(
     """The one rule for a pipeline's schedule; returns the model chunks per rank.
 
     1F1B and interleaved keep at most pp micro-batches in flight, so they need at
-    least pp of them (DeepSpeed's engine runs any number); every stage needs a layer.
+    least pp of them (DeepSpeed's engine runs any number); ZB-V runs any number (torch
+    leaves the missing ones' slots empty); DualPipeV needs one per stage, 2 x pp (torch's
+    ScheduleDualPipeV refuses fewer); every stage needs a layer.
     """
     choice("schedule", schedule, SCHEDULES)
-    if backend == "torch" and schedule != "gpipe" and micro_batches < pp:
+    if schedule == "dualpipev" and micro_batches < 2 * pp:
+        raise ConfigError(
+            f"schedule 'dualpipev' needs at least one micro-batch per stage, 2 x pp = "
+            f"{2 * pp} (grad_accum={micro_batches}); raise grad_accum or use schedule='zbv'",
+            fields=("grad_accum", "schedule", "pp"),
+        )
+    if backend == "torch" and schedule in ("1f1b", "interleaved") and micro_batches < pp:
         raise ConfigError(
             f"schedule {schedule!r} needs at least as many micro-batches "
             f"(grad_accum={micro_batches}) as pipeline stages (pp={pp}); "

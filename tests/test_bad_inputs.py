@@ -64,6 +64,11 @@ CONFIG_CASES = [
         "needs 4 layers",
     ),
     (
+        dict(strategy="pipeline", schedule="dualpipev", grad_accum=3, gpt=GPTConfig(n_layers=4)),
+        "'dualpipev' needs at least one micro-batch per stage",
+    ),
+    (dict(strategy="pipeline", schedule="zbv", gpt=GPTConfig(n_layers=3)), "needs 4 layers"),
+    (
         dict(
             backend="deepspeed",
             strategy="zero3",

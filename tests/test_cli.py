@@ -29,6 +29,10 @@ def nbpar(*args, timeout=300):
         (["frobnicate"], "invalid choice"),
         (["train", "--resume-from", "/nonexistent/ckpt"], "/nonexistent/ckpt"),
         (["train", "--strategy", "hybrid", "--dp", "2", "--tp", "2", "--engines", "2"], "dp*tp*pp"),
+        (
+            ["train", "--strategy", "pipeline", "--schedule", "dualpipev", "--engines", "2"],
+            "'dualpipev' needs at least one micro-batch per stage",
+        ),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args, needle):

@@ -9,17 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nbpar.measure.clocks import clock_offset, cristian_offset
 from nbpar.measure.timeline import (
     SETUP_STEPS,
     bubble_fraction,
-    clock_offset,
-    cristian_offset,
     plot_timeline,
     schedule_bubble,
     theory_bubble,
 )
 from nbpar.model.models import next_token_loss as lm_loss
-from nbpar.parallel import ds_pipeline, pipeline
+from nbpar.parallel import ds_pipeline, pipeline, pipeline_cut
 from tests.distributed import run_distributed
 from tests.reference.gpt import (
     ACCUM,
@@ -272,7 +271,7 @@ def test_split_stages_partitions_the_model():
     assert first.head is None and first.tok_emb is not None and list(first.layers) == ["0", "1"]
     assert last.tok_emb is None and last.head is not None and list(last.layers) == ["2", "3"]
     assert [list(c.layers) for c in pipeline.split_stages(model, 1, 2, virtual=2)] == [["1"], ["3"]]
-    assert [len(r) for r in pipeline.layer_ranges(5, 3)] == [2, 2, 1]
+    assert [len(r) for r in pipeline_cut.layer_ranges(5, 3)] == [2, 2, 1]
 
 
 def test_split_and_schedule_reject_bad_input():

@@ -13,6 +13,7 @@ rather than trusting its Future (``completes_at_launch``).
 
 Every meter that times the step (`nbpar.measure.comm.CommMeter`, `metrics.CommTimer`, the
 pipeline's forward and backward spans) takes its clock from `step_clock(backend)`.
+Processes on several hosts put their times on one axis with `clock_offset`.
 """
 
 from __future__ import annotations
@@ -95,3 +96,70 @@ def clock_for_device(device_type: str) -> HostClock:
     """`step_clock` for work on a torch device type: the host's for the CPU, the
     device stream's for any other."""
     return HostClock() if device_type == "cpu" else DeviceClock()
+
+
+def clock_offset(group=None, rounds: int = 8) -> float:
+    """This rank's ``time.perf_counter()`` minus that of rank 0 of ``group``.
+
+    Processes of one machine share its monotonic clock (perf_counter), so the
+    offset is exactly 0 there; across machines it is estimated with
+    ``cristian_offset``. Collective over ``group``; lets spans measured in
+    different processes share one time axis.
+    """
+    import torch.distributed as dist
+
+    machines: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(machines, _machine_id(), group=group)
+    if len(set(machines)) == 1:
+        return 0.0
+    return cristian_offset(group, rounds)[0]
+
+
+def cristian_offset(group=None, rounds: int = 8) -> tuple[float, float]:
+    """(clock offset to rank 0 of ``group``, round trip it was measured with).
+
+    Cristian's algorithm: rank 0 pings every peer ``rounds`` times and keeps
+    the estimate of the fastest round trip; its error is at most half that
+    round trip. Rank 0 itself gets (0.0, 0.0). Collective over ``group``.
+    """
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    def global_rank(r: int) -> int:
+        return dist.get_global_rank(group, r) if group is not None else r
+
+    me, size = dist.get_rank(group), dist.get_world_size(group)
+    buf = torch.zeros(2, dtype=torch.float64)
+    result = (0.0, 0.0)
+    for peer in range(1, size):
+        if me == 0:
+            best = (float("inf"), 0.0)
+            for _ in range(rounds):
+                t1 = time.perf_counter()
+                dist.send(buf, dst=global_rank(peer), group=group)
+                dist.recv(buf, src=global_rank(peer), group=group)
+                t2 = time.perf_counter()
+                best = min(best, (t2 - t1, buf[0].item() - (t1 + t2) / 2))
+            buf[0], buf[1] = best[1], best[0]
+            dist.send(buf, dst=global_rank(peer), group=group)
+        elif me == peer:
+            for _ in range(rounds):
+                dist.recv(buf, src=global_rank(0), group=group)
+                buf[0] = time.perf_counter()
+                dist.send(buf, dst=global_rank(0), group=group)
+            dist.recv(buf, src=global_rank(0), group=group)
+            result = (buf[0].item(), buf[1].item())
+    return result
+
+
+def _machine_id() -> str:
+    """Identifies one booted kernel: processes with equal ids share CLOCK_MONOTONIC."""
+    import socket
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()

@@ -1,10 +1,12 @@
 """Pipeline timelines: the measured bubble and a Gantt chart of one step.
 
-An event is ``dict(stage, microbatch, kind "F"|"B", start, end)`` (seconds from
-the step start; pipeline runners add ``rank``, the pp rank that ran it, and
-``stall``, see `mark_stalls`). The bubble is the idle share of the pipeline's
-devices over the step (GPipe, Huang et al. 2019): ``1 - busy / (p * makespan)``;
-theory says (p-1)/(m+p-1). `StepTimelines` picks the typical step of a run to draw.
+An event is ``dict(stage, microbatch, kind, start, end)`` (seconds from the step start;
+kind "F" or "B", or "I" and "W" for a backward split in two, `KINDS`; pipeline runners add
+``rank``, the pp rank that ran it, and ``stall``, see `mark_stalls`). The bubble is the
+idle share of the pipeline's devices over the step (GPipe, Huang et al. 2019), every
+kind of box counted as work: ``1 - busy / (p * makespan)``; theory says (p-1)/(m+p-1)
+(the zero-bubble schedules' formulas: `bubble_formulas`). `StepTimelines` picks the
+typical step of a run to draw.
 Only matplotlib is imported here, lazily, so this module is cheap to import.
 """
 
@@ -18,6 +20,13 @@ from collections import defaultdict, deque
 from nbpar.measure.step_split import SETUP_STEPS
 
 F_COLOR, B_COLOR, STALL_COLOR = "#4C72B0", "#DD8452", "#C44E52"
+I_COLOR, W_COLOR = "#8172B3", "#55A868"
+#: a box's kind: a forward, a full backward, or a backward split in two (Qi et al. 2023):
+#: the input gradient (what the stage below waits for) and the weight gradient (deferrable)
+KINDS = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient"}
+COLORS = {"F": F_COLOR, "B": B_COLOR, "I": I_COLOR, "W": W_COLOR}
+#: the kinds that hand a gradient to the stage below
+GRAD_KINDS = ("B", "I")
 
 #: A box lasting more than STALL_FACTOR x the median of its stage's boxes of its kind is
 #: a stall (another process took the core, a page fault, the allocator): not the schedule.
@@ -119,18 +128,30 @@ def bubble_fraction(events: list[dict], p: int, *, with_stalls: bool = False) ->
     return min(1.0, max(0.0, 1.0 - busy / (p * makespan)))
 
 
+def _needs(event: dict, last_stage: int) -> list[tuple]:
+    """The boxes ``event`` waits for: F of stage s the F of s-1; B or I (the input
+    gradient) of s its own F and the input gradient of s+1 ("G": from s+1's B or I);
+    W (the weight gradient) its own I."""
+    kind, s, mb = event["kind"], event["stage"], event["microbatch"]
+    if kind == "F":
+        return [("F", s - 1, mb)] if s > 0 else []
+    if kind == "W":
+        return [("I", s, mb)]
+    return [("F", s, mb)] + ([("G", s + 1, mb)] if s < last_stage else [])
+
+
 def schedule_bubble(events: list[dict], p: int, *, with_stalls: bool = False) -> float:
     """The bubble the schedule itself forces, with the stage times this step measured.
 
-    Replays the step: every rank runs its F and B boxes in the order it ran them, each
-    as long as it was measured, and starts each as soon as its rank is free and its
-    inputs exist (F of stage s after F of s-1; B of s after F of s and B of s+1), with
-    communication and the time between boxes taken as zero. (p-1)/(m+p-1) assumes
-    stages of equal length as well; this replay keeps the real stage lengths, so
-    ``measured - schedule_bubble`` is what send/recv and per-micro-batch work between
-    boxes added, and ``schedule_bubble - theory`` what unequal stages added. A lower
-    bound of the measured bubble by construction; stalls are left out of both alike
-    (`without_stalls`) unless ``with_stalls``.
+    Replays the step: every rank runs its boxes in the order it ran them, each as long
+    as it was measured, and starts each as soon as its rank is free and its inputs
+    exist (`_needs`: F of stage s after F of s-1; B or I of s after F of s and B or I
+    of s+1; W after its I), with communication and the time between boxes taken as
+    zero. (p-1)/(m+p-1) assumes stages of equal length as well; this replay keeps the
+    real stage lengths, so ``measured - schedule_bubble`` is what send/recv and
+    per-micro-batch work between boxes added, and ``schedule_bubble - theory`` what
+    unequal stages added. A lower bound of the measured bubble by construction; stalls
+    are left out of both alike (`without_stalls`) unless ``with_stalls``.
     """
     if p < 1:
         raise ValueError(f"p must be >= 1, got {p}")
@@ -151,15 +172,14 @@ def schedule_bubble(events: list[dict], p: int, *, with_stalls: bool = False) ->
         for row, queue in order.items():
             while at[row] < len(queue):
                 e = queue[at[row]]
-                s, mb = e["stage"], e["microbatch"]
-                needs = [("F", s - 1, mb)] if e["kind"] == "F" and s > 0 else []
-                if e["kind"] == "B":
-                    needs = [("F", s, mb)] + ([("B", s + 1, mb)] if s < last_stage else [])
+                needs = _needs(e, last_stage)
                 if any(n not in done for n in needs):
                     break  # waits for another row's box
                 length = e["end"] - e["start"]
                 free[row] = max([free[row]] + [done[n] for n in needs]) + length
-                done[(e["kind"], s, mb)] = free[row]
+                done[(e["kind"], e["stage"], e["microbatch"])] = free[row]
+                if e["kind"] in GRAD_KINDS:  # the gradient the stage below waits for
+                    done[("G", e["stage"], e["microbatch"])] = free[row]
                 busy += length
                 at[row] += 1
                 progressed = True
@@ -172,14 +192,16 @@ def schedule_bubble(events: list[dict], p: int, *, with_stalls: bool = False) ->
 
 
 def plot_timeline(events: list[dict], ax=None, *, p: int | None = None, m: int | None = None):
-    """Gantt chart of one pipeline step: a row per device, F and B boxes.
+    """Gantt chart of one pipeline step: a row per device, a box per pass, coloured by
+    kind (`KINDS`: F, B, and a split backward's I and W apart).
 
     ``ax``: a matplotlib Axes to draw into; without one a new
     ``matplotlib.figure.Figure`` is made (no pyplot state, safe under Agg).
     ``p``/``m`` default to the rows and micro-batches seen in ``events``;
     rows holding several (interleaved) stages label boxes ``stage:microbatch``.
     Boxes marked ``stall`` are hatched with a red edge; the title's bubble leaves
-    them out and names the bubble with them. Returns the Figure.
+    them out and names the bubble with them. The title compares it with the schedule's
+    theory (`theory_title`). Returns the Figure.
     """
     if ax is None:
         from matplotlib.figure import Figure
@@ -193,7 +215,7 @@ def plot_timeline(events: list[dict], ax=None, *, p: int | None = None, m: int |
     for e in events:
         y = rows.index(_row(e))
         labels[y].add(e["stage"])
-        color = F_COLOR if e["kind"] == "F" else B_COLOR
+        color = COLORS[e["kind"]]
         edge = dict(hatch="///", edgecolor=STALL_COLOR, linewidth=1.5) if e.get("stall") else {}
         edge = {"edgecolor": "black", "linewidth": 0.5} | edge
         width = _length(e)
@@ -208,8 +230,6 @@ def plot_timeline(events: list[dict], ax=None, *, p: int | None = None, m: int |
     ax.set_yticklabels([f"stage {','.join(map(str, sorted(labels[y])))}" for y in range(len(rows))])
     ax.invert_yaxis()
     ax.set_xlabel("seconds since step start")
-    v = max(1, len(stages) // p)
-    formula = "(p-1)/(m+p-1)" if v == 1 else f"(p-1)/({v}m+p-1)"
     stalls = sum(1 for e in events if e.get("stall"))
     with_stalls = (
         f" ({bubble_fraction(events, p, with_stalls=True):.2f} with {stalls} "
@@ -219,15 +239,33 @@ def plot_timeline(events: list[dict], ax=None, *, p: int | None = None, m: int |
     )
     ax.set_title(
         f"bubble measured {bubble_fraction(events, p):.2f}{with_stalls}, "
-        f"theory {formula} = {theory_bubble(p, m, v):.2f}"
+        f"{theory_title(events, p, m)}"
     )
     from matplotlib.patches import Patch
 
-    handles = [Patch(color=F_COLOR, label="forward"), Patch(color=B_COLOR, label="backward")]
+    seen = {e["kind"] for e in events}
+    handles = [Patch(color=COLORS[k], label=f"{KINDS[k]} ({k})") for k in KINDS if k in seen]
     stall = Patch(facecolor="white", edgecolor=STALL_COLOR, hatch="///", label="stall")
     handles += [stall] if stalls else []
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     return ax.figure
+
+
+def theory_title(events: list[dict], p: int, m: int) -> str:
+    """What the schedule's theory says of this step: (p-1)/(m+p-1) (over v chunks a
+    rank); for a split backward (I and W boxes) the formulas in time of 1F1B and ZB-H1
+    with this step's mean boxes (`bubble_formulas`) and the schedule's replay."""
+    if any(e["kind"] == "W" for e in events):
+        from nbpar.measure.bubble_formulas import formula_bubbles
+
+        f = formula_bubbles(events, p, m)
+        return (
+            f"replayed {schedule_bubble(events, p):.2f}; 1F1B (p-1)(F+I+W) {f['1f1b']:.2f}, "
+            f"ZB-H1 (p-1)(F+I-W) {f['zb_h1']:.2f}"
+        )
+    v = max(1, len({e["stage"] for e in events}) // p)
+    formula = "(p-1)/(m+p-1)" if v == 1 else f"(p-1)/({v}m+p-1)"
+    return f"theory {formula} = {theory_bubble(p, m, v):.2f}"
 
 
 class StepTimelines:
@@ -293,70 +331,3 @@ class StepTimelines:
             "metered": list(self.metered),
             "stalls": sum(e["stall"] for e in events),
         }
-
-
-def clock_offset(group=None, rounds: int = 8) -> float:
-    """This rank's ``time.perf_counter()`` minus that of rank 0 of ``group``.
-
-    Processes of one machine share its monotonic clock (perf_counter), so the
-    offset is exactly 0 there; across machines it is estimated with
-    ``cristian_offset``. Collective over ``group``; lets spans measured in
-    different processes share one time axis.
-    """
-    import torch.distributed as dist
-
-    machines: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(machines, _machine_id(), group=group)
-    if len(set(machines)) == 1:
-        return 0.0
-    return cristian_offset(group, rounds)[0]
-
-
-def cristian_offset(group=None, rounds: int = 8) -> tuple[float, float]:
-    """(clock offset to rank 0 of ``group``, round trip it was measured with).
-
-    Cristian's algorithm: rank 0 pings every peer ``rounds`` times and keeps
-    the estimate of the fastest round trip; its error is at most half that
-    round trip. Rank 0 itself gets (0.0, 0.0). Collective over ``group``.
-    """
-    import time
-
-    import torch
-    import torch.distributed as dist
-
-    def global_rank(r: int) -> int:
-        return dist.get_global_rank(group, r) if group is not None else r
-
-    me, size = dist.get_rank(group), dist.get_world_size(group)
-    buf = torch.zeros(2, dtype=torch.float64)
-    result = (0.0, 0.0)
-    for peer in range(1, size):
-        if me == 0:
-            best = (float("inf"), 0.0)
-            for _ in range(rounds):
-                t1 = time.perf_counter()
-                dist.send(buf, dst=global_rank(peer), group=group)
-                dist.recv(buf, src=global_rank(peer), group=group)
-                t2 = time.perf_counter()
-                best = min(best, (t2 - t1, buf[0].item() - (t1 + t2) / 2))
-            buf[0], buf[1] = best[1], best[0]
-            dist.send(buf, dst=global_rank(peer), group=group)
-        elif me == peer:
-            for _ in range(rounds):
-                dist.recv(buf, src=global_rank(0), group=group)
-                buf[0] = time.perf_counter()
-                dist.send(buf, dst=global_rank(0), group=group)
-            dist.recv(buf, src=global_rank(0), group=group)
-            result = (buf[0].item(), buf[1].item())
-    return result
-
-
-def _machine_id() -> str:
-    """Identifies one booted kernel: processes with equal ids share CLOCK_MONOTONIC."""
-    import socket
-
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return socket.gethostname()

@@ -1,91 +1,54 @@
 """Pipeline parallelism with torch.distributed.pipelining.
 
 Layer-wise model parallelism: the blocks of a TinyGPT are cut into ``pp``
-stages (``pp * virtual`` for interleaving); micro-batches flow through them on
-a schedule: GPipe (Huang et al. 2019, fill-drain), 1F1B (PipeDream-Flush, from the
-PipeDream-2BW paper, Narayanan et al. 2021) or interleaved 1F1B (Megatron-LM, Narayanan
-et al. 2021).
-Every forward/backward of a micro-batch is timed to measure the bubble.
+stages (``pp * virtual`` for interleaving, `pipeline_cut`); micro-batches flow through
+them on a schedule: GPipe (Huang et al. 2019, fill-drain), 1F1B (PipeDream-Flush, from the
+PipeDream-2BW paper, Narayanan et al. 2021), interleaved 1F1B (Megatron-LM, Narayanan
+et al. 2021), ZB-V (Qi et al. 2023, "Zero Bubble Pipeline Parallelism") or DualPipeV
+(DeepSeek-V3, 2024); the last two split a backward into its input gradient (I) and its
+weight gradient (W) and hold stages r and 2p-1-r on rank r. torch's ZB-V and DualPipeV
+schedules run on gloo as they are (measured on 2 and 4 CPU processes: losses equal one
+process's; their sends are batch_isend_irecv, which gloo serves), so nbpar runs them
+rather than a schedule of its own.
+Every pass of a micro-batch (F, B, I, W) is timed to measure the bubble.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
 )
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
 from nbpar.measure.clocks import HostClock, clock_for_device
-from nbpar.model.plan import plan_of, require
+from nbpar.model.plan import require
 from nbpar.strategies import check_pipeline_schedule
 
 from .common import autocast_dtype as precision_dtype
 from .common import make_optimizer
+from .pipeline_cut import split_stages, stage_ids, stage_style
 from .pipeline_timeline import PipelineSpans, SpanReports, span
 from .runner import StepRunner
 from .saved_activations import SavedActivations
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
-
-
-def stage_ids(pp_rank: int, pp_size: int, virtual: int = 1) -> list[int]:
-    """Stages held by ``pp_rank``: round-robin, ``pp_rank + k * pp_size``."""
-    return [pp_rank + k * pp_size for k in range(virtual)]
-
-
-def layer_ranges(n_layers: int, n_stages: int) -> list[range]:
-    """Split ``n_layers`` blocks into ``n_stages`` contiguous runs, sizes differing <= 1."""
-    base, extra = divmod(n_layers, n_stages)
-    ranges, start = [], 0
-    for s in range(n_stages):
-        size = base + (1 if s < extra else 0)
-        ranges.append(range(start, start + size))
-        start += size
-    return ranges
-
-
-def split_stages(model: nn.Module, pp_rank: int, pp_size: int, virtual: int = 1) -> list[nn.Module]:
-    """The stage modules of ``pp_rank``: copies of ``model`` keeping only their part.
-
-    The cut follows the model's declared plan (`nbpar.model.plan`): stage 0 keeps
-    its ``first`` parts (embeddings), the last stage its ``last`` parts (norm, head);
-    parameter names stay those of the full model. ``model`` is not modified.
-    """
-    plan = require(model, "pipeline")
-    n_layers = len(plan.layers)
-    for name, value in (("pp_size", pp_size), ("virtual", virtual)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if not 0 <= pp_rank < pp_size:
-        raise ValueError(f"pp_rank must be in [0, {pp_size}), got {pp_rank}")
-    n_stages = pp_size * virtual
-    if n_stages > n_layers:
-        raise ValueError(
-            f"cannot cut {n_layers} layers into pp*virtual = "
-            f"{pp_size}*{virtual} = {n_stages} stages: need at most one "
-            f"stage per layer"
-        )
-    keys = sorted(plan.layers.keys(), key=int)
-    ranges = layer_ranges(n_layers, n_stages)
-    chunks = []
-    for s in stage_ids(pp_rank, pp_size, virtual):
-        chunk = copy.deepcopy(model)
-        layers = plan_of(chunk).layers
-        for i, key in enumerate(keys):
-            if i not in ranges[s]:
-                del layers[key]
-        for name in (plan.first if s != 0 else ()) + (plan.last if s != n_stages - 1 else ()):
-            setattr(chunk, name, None)
-        chunks.append(chunk)
-    return chunks
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved": ScheduleInterleaved1F1B,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
 
 
 def validate(cfg, pp: int, n_layers: int) -> int:
@@ -95,13 +58,15 @@ def validate(cfg, pp: int, n_layers: int) -> int:
 
 
 class TimedStage(PipelineStage):
-    """A PipelineStage that records when each micro-batch's F and B run.
+    """A PipelineStage that records when each micro-batch's F, B, I and W run.
 
-    Every schedule (single- and multi-stage) calls ``forward_one_chunk`` and
-    ``backward_one_chunk`` after its receives completed, so these spans are
-    pure compute: the gaps between them are the bubble plus communication.
-    ``activations`` (shared by the rank's stages) counts the bytes each
-    micro-batch's forward saves for backward until its backward frees them.
+    Every schedule (single- and multi-stage) calls ``forward_one_chunk``,
+    ``backward_one_chunk`` (a full backward "B", or with ``full_backward=False`` the
+    input gradient "I") and ``backward_weight_one_chunk`` (the weight gradient "W")
+    after its receives completed, so these spans are pure compute: the gaps between
+    them are the bubble plus communication. ``activations`` (shared by the rank's
+    stages) counts the bytes each micro-batch's forward saves for backward until its
+    backward frees them (after I the graph is kept for W: freed by W).
     """
 
     def __init__(
@@ -150,13 +115,34 @@ class TimedStage(PipelineStage):
         self._record(fwd_chunk_id, "F", start)
         return out
 
+    def _gather_for_split_backward(self) -> None:
+        """All-gather an FSDP2 stage's parameters before its I and W passes: torch's split
+        backward looks the module's parameters up in the forward's graph, and a stage that
+        resharded after forward holds its sharded ones then, so the weight gradients came
+        out wrong (losses 1.5e-2 off one process's by step 20). A no-op when gathered
+        already; communication, so outside the box."""
+        for module in self.submod.modules():
+            if isinstance(module, FSDPModule):
+                module.unshard()
+
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        if not full_backward:
+            self._gather_for_split_backward()
         start = self.marks.mark()
         out = super().backward_one_chunk(
             bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
         )
+        if full_backward:
+            self.activations.release(self.stage_index, bwd_chunk_id)
+        self._record(bwd_chunk_id, "B" if full_backward else "I", start)
+        return out
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+        self._gather_for_split_backward()
+        start = self.marks.mark()
+        out = super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
         self.activations.release(self.stage_index, bwd_chunk_id)
-        self._record(bwd_chunk_id, "B", start)
+        self._record(bwd_chunk_id, "W", start)
         return out
 
 
@@ -173,7 +159,7 @@ class PipelineRunner(SpanReports, StepRunner):
     stage so every pp rank returns the same number. ``timeline()`` and the bubbles
     are the run's typical step (`timeline.StepTimelines`) of all pp ranks, in seconds
     from pp rank 0's step start; other ranks' clocks are mapped onto rank 0's with an
-    offset measured once at construction (``timeline.clock_offset``).
+    offset measured once at construction (``clocks.clock_offset``).
     """
 
     def __init__(
@@ -203,7 +189,13 @@ class PipelineRunner(SpanReports, StepRunner):
         self.pp_rank = dist.get_rank(pp_group)
         self.dp_group = dp_group
         self.spans = PipelineSpans(pp_group, events, clock, stages[0].marks)
-        self._last_rank = dist.get_global_rank(pp_group, self.pp_size - 1)
+        # the pp rank holding the last stage (and the loss): p-1, or 0 in a V
+        last = (
+            schedule.stage_index_to_group_rank[stages[0].num_stages - 1]
+            if isinstance(schedule, PipelineScheduleMulti)
+            else self.pp_size - 1
+        )
+        self._last_rank = dist.get_global_rank(pp_group, last)
         self.activations = stages[0].activations
 
     def peak_activation_bytes(self) -> int:
@@ -249,7 +241,7 @@ class PipelineRunner(SpanReports, StepRunner):
         return loss
 
 
-def build_stages(chunks, pp_rank, pp_size, virtual, pp_group, device, autocast_dtype):
+def build_stages(chunks, pp_rank, pp_size, virtual, pp_group, device, autocast_dtype, style="loop"):
     """Wrap this rank's chunks in TimedStages (shapes inferred on the first step)."""
     events, clock, activations = [], [0.0], SavedActivations()
     marks = clock_for_device(device.type)
@@ -265,7 +257,7 @@ def build_stages(chunks, pp_rank, pp_size, virtual, pp_group, device, autocast_d
             activations=activations,
             marks=marks,
         )
-        for chunk, sid in zip(chunks, stage_ids(pp_rank, pp_size, virtual))
+        for chunk, sid in zip(chunks, stage_ids(pp_rank, pp_size, virtual, style))
     ]
     return stages, events, clock
 
@@ -273,7 +265,7 @@ def build_stages(chunks, pp_rank, pp_size, virtual, pp_group, device, autocast_d
 def make_schedule(cfg, stages, loss_fn):
     cls = SCHEDULES[cfg.schedule]
     loss_fn = stages[0].activations.wrap_loss(loss_fn)  # the loss's saved tensors count too
-    if cfg.schedule == "interleaved":
+    if issubclass(cls, PipelineScheduleMulti):  # interleaved, zbv, dualpipev
         return cls(stages, n_microbatches=cfg.grad_accum, loss_fn=loss_fn)
     return cls(stages[0], n_microbatches=cfg.grad_accum, loss_fn=loss_fn)
 
@@ -304,12 +296,15 @@ def build_runner(
     pp_size, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
     virtual = validate(cfg, pp_size, len(require(model, "pipeline").layers))
     device = torch.device(mesh.device_type)
-    chunks = [_to(c, device) for c in split_stages(model, pp_rank, pp_size, virtual)]
+    style = stage_style(cfg.schedule)
+    chunks = [_to(c, device) for c in split_stages(model, pp_rank, pp_size, virtual, style)]
     if prepare is not None:
         chunks = [prepare(c) for c in chunks]
     pp_group = pp_mesh.get_group()
     dtype = precision_dtype(cfg)
-    stages, events, clock = build_stages(chunks, pp_rank, pp_size, virtual, pp_group, device, dtype)
+    stages, events, clock = build_stages(
+        chunks, pp_rank, pp_size, virtual, pp_group, device, dtype, style
+    )
     loss_fn = loss_fn or default_loss(cfg)
     schedule = make_schedule(cfg, stages, loss_fn)
     optimizer = make_optimizer([p for c in chunks for p in c.parameters()], cfg)

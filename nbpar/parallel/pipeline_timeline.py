@@ -1,12 +1,13 @@
-"""Every pipeline step's forward and backward spans on each pp rank, gathered into the
-run's timelines; the same for torch's schedules and DeepSpeed's PipelineEngine.
+"""Every pipeline step's spans on each pp rank, gathered into the run's timelines; the
+same for torch's schedules and DeepSpeed's PipelineEngine.
 
 A runner's stages append one span per micro-batch and pass (`span`: stage, microbatch,
-kind "F"/"B", start and end marks of `nbpar.measure.clocks`); `PipelineSpans` opens each
-step (its spans cleared, the pp ranks lined up by a barrier), then reads the marks as
-seconds on pp rank 0's clock (an offset measured once, `timeline.clock_offset`) and
-gathers every rank's spans into `timeline.StepTimelines`, which keeps the typical step.
-`SpanReports` gives a runner its ``timeline()`` and bubbles from them.
+kind "F", "B", "I" or "W" (`timeline.KINDS`), start and end marks of
+`nbpar.measure.clocks`); `PipelineSpans` opens each step (its spans cleared, the pp ranks
+lined up by a barrier), then reads the marks as seconds on pp rank 0's clock (an offset
+measured once, `clocks.clock_offset`) and gathers every rank's spans into
+`timeline.StepTimelines`, which keeps the typical step. `SpanReports` gives a runner its
+``timeline()``, bubbles and formula bubbles from them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from nbpar.measure import timeline as _timeline
-from nbpar.measure.clocks import HostClock
+from nbpar.measure.bubble_formulas import formula_bubbles
+from nbpar.measure.clocks import HostClock, clock_offset
 
 
 def read_spans(events: list[dict], marks: HostClock, offset: float) -> None:
@@ -29,7 +31,8 @@ def read_spans(events: list[dict], marks: HostClock, offset: float) -> None:
 
 
 def span(stage: int, microbatch: int, kind: str, start, end) -> dict:
-    """One forward ("F") or backward ("B") pass of a micro-batch on a stage, as marks."""
+    """One pass of a micro-batch on a stage, as marks: forward ("F"), backward ("B"), or
+    a split backward's input gradient ("I") or weight gradient ("W")."""
     return dict(stage=stage, microbatch=microbatch, kind=kind, start=start, end=end)
 
 
@@ -40,7 +43,7 @@ class PipelineSpans:
         self.pp_group, self.pp_size = pp_group, dist.get_world_size(pp_group)
         self.events, self.clock, self.marks = events, clock, marks
         self.timelines = _timeline.StepTimelines()
-        self.clock[0] = _timeline.clock_offset(pp_group)  # to pp rank 0's clock
+        self.clock[0] = clock_offset(pp_group)  # to pp rank 0's clock
 
     def begin(self) -> tuple[float, bool]:
         """Open a step: (its start on pp rank 0's clock, whether it is metered: a metered
@@ -99,3 +102,8 @@ class SpanReports:
     def schedule_bubble_fraction(self) -> float | None:
         """The part of it the schedule forces with these stage times (no gaps, no stalls)."""
         return self._bubble(_timeline.schedule_bubble)
+
+    def formula_bubbles(self) -> dict | None:
+        """The same step's bubble by the 1F1B and ZB-H1 formulas in time, with its mean
+        F, I and W boxes (`bubble_formulas.formula_bubbles`)."""
+        return self._bubble(formula_bubbles)

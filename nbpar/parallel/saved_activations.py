@@ -14,7 +14,8 @@ backward finishes, when autograd frees the graph (``retain_graph=False``)
 and the stage drops its forward cache. The peak is the maximum over time of the
 sum of live totals. Hooks have no "freed" callback, hence micro-batch liveness
 rather than per-tensor liveness: it is exact for schedules with full backward
-(GPipe, 1F1B, interleaved), which is what ``nbpar.parallel.pipeline`` runs.
+(GPipe, 1F1B, interleaved); a split backward (ZB-V, DualPipeV) keeps the graph after its
+input gradient for the weight gradient, so the micro-batch stays live until its W.
 Under FSDP2 (hybrid with ``fsdp_reshard``) the gathered weights a forward saves
 are not the module's (sharded) parameters, so they count as activations.
 """

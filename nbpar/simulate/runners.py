@@ -20,6 +20,9 @@ from nbpar.measure.holdings import optimizer_state_tensors, tensor_bytes
 from nbpar.parallel.tensor import TensorParallelRunner
 from nbpar.strategies import PIPELINED
 
+#: the pipeline schedules `nbpar.simulate.stages` walks (one stage a rank)
+SIMULATED = ("gpipe", "1f1b")
+
 
 class Zero1StandIn(TensorParallelRunner):
     """Gradients all-reduced over dp, then ZeroRedundancyOptimizer's sharded step."""
@@ -37,8 +40,9 @@ def check_simulable(cfg) -> None:
             "backend 'deepspeed' cannot be simulated: its engine flattens and "
             "copies real parameters at initialize; simulate backend 'torch'"
         )
-    if cfg.strategy in PIPELINED and (cfg.pp or 1) > 1 and cfg.schedule == "interleaved":
-        raise ValueError("schedule 'interleaved' is not simulated; use 'gpipe' or '1f1b'")
+    pipelined = cfg.strategy == "pipeline" or (cfg.strategy in PIPELINED and (cfg.pp or 1) > 1)
+    if pipelined and cfg.schedule not in SIMULATED:
+        raise ValueError(f"schedule {cfg.schedule!r} is not simulated; use 'gpipe' or '1f1b'")
 
 
 def _data_parallel_standin(model, cfg, mesh):
