@@ -356,7 +356,7 @@ def check_model_degrees(cfg, world_size: int | None) -> None:
 
     layers, where = known_shape(cfg)
     gpt = cfg.gpt
-    if cfg.model == "tiny_gpt" and tp > 1 and (gpt.n_heads % tp or gpt.d_model % tp):
+    if cfg.model in ("tiny_gpt", "tiny_moe") and tp > 1 and (gpt.n_heads % tp or gpt.d_model % tp):
         raise ConfigError(
             f"tp={tp} must divide gpt.n_heads={gpt.n_heads} and gpt.d_model={gpt.d_model}",
             fields=("tp", "gpt.n_heads", "gpt.d_model"),

@@ -50,6 +50,7 @@ DISPATCH = {
     ("pipeline", "deepspeed", None): "ds_pipeline",
     ("tp", None, None): "tensor",
     ("hybrid", None, None): "hybrid",
+    ("ep", "torch", None): "expert",
 }
 
 

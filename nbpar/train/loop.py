@@ -38,6 +38,7 @@ from nbpar.measure.records import MEMORY_PARTS, RankResult, StepRecord
 from nbpar.measure.step_split import SETUP_STEPS, blocked_shares, share_summary
 from nbpar.model.data import build_loader
 from nbpar.model.models import build_model
+from nbpar.model.moe import take_routing
 from nbpar.parallel import build_runner
 from nbpar.train import checkpoint
 from nbpar.train.context import RankContext
@@ -229,6 +230,9 @@ def _step(cfg, runner, batches, ctx, timer: CommTimer, step: int, start: int, bl
         **memory_snapshot(ctx.backend),
         "time": time.time(),
     }
+    routing = take_routing(runner.model) if runner.model is not None else None
+    if routing is not None:  # a mixture of experts: tokens per expert per layer
+        record["tokens_per_expert"] = routing
     if comm is not None:  # this step ran slower: every op went through Python
         record.update(_metered_figures(comm, mem, record))
     record["peak_bytes"] = step_peak_bytes(record)
