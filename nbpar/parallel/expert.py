@@ -159,6 +159,19 @@ def expert_groups(cfg, mesh):
     return experts.get_group("ep"), edp, dims.dp, dims.ep
 
 
+class ExpertSplit:
+    """Expert parallelism of ``cfg`` on ``mesh`` for a caller that builds its own runner
+    (a pipeline): ``apply(module)`` shares out its experts, ``sync`` averages a step."""
+
+    def __init__(self, cfg, mesh):
+        self.ep_group, edp_group, dp, _ = expert_groups(cfg, mesh)
+        dp_group = mesh["dp"].get_group() if dp > 1 else None
+        self.sync = GradSync(dp_group, edp_group, dp)
+
+    def apply(self, module: nn.Module) -> nn.Module:
+        return apply_ep(module, self.ep_group)
+
+
 class ExpertParallelRunner(StepRunner):
     """Accumulate the micro-batches' gradients, average them (`GradSync`), step."""
 

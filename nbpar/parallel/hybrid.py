@@ -28,8 +28,13 @@ from .runner import StepRunner
 class HybridRunner(pipeline.PipelineRunner):
     """A pipeline runner whose stages are also tensor and/or data parallel."""
 
+    #: expert parallelism's average (`expert.GradSync`), which replaces the one below
+    grad_sync = None
+
     def reduce_data_parallel_grads(self) -> None:
         """Average the local gradient shards over dp with one all-reduce."""
+        if self.grad_sync is not None:
+            return self.grad_sync(self.model)
         if self.dp_group is None:
             return
         grads = [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
@@ -67,6 +72,10 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> StepRunner:
 
     if tp > 1:
         check_tp(model, tp)
+    if pp == 1 and cfg.ep and cfg.ep > 1:  # experts over ep (x tp): expert's runner
+        from . import expert
+
+        return expert.build_runner(model, cfg, mesh, loss_fn=loss_fn)
     if pp == 1:
         from . import tensor
 
@@ -76,15 +85,19 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> StepRunner:
     reshard = reshard_after_forward(cfg.strategy, cfg.fsdp_reshard)
     dp_mesh = mesh["dp"]
 
+    experts = _expert_sync(cfg, mesh)
+
     def prepare(chunk: nn.Module) -> nn.Module:
         if tp > 1:
             apply_tp(chunk, mesh["tp"])
+        if experts is not None:
+            experts.apply(chunk)
         if dp > 1 and reshard is not None:
             _apply_fsdp(chunk, dp_mesh, reshard)
         return chunk
 
     dp_group = dp_mesh.get_group() if dp > 1 and reshard is None else None
-    return pipeline.build_runner(
+    runner = pipeline.build_runner(
         model,
         cfg,
         mesh,
@@ -93,3 +106,15 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> StepRunner:
         runner_cls=HybridRunner,
         dp_group=dp_group,
     )
+    runner.grad_sync = experts.sync if experts is not None else None
+    return runner
+
+
+def _expert_sync(cfg, mesh):
+    """Where ep > 1: what shares out each stage's experts and averages the gradients
+    (`expert.ExpertSplit`); else None."""
+    if not cfg.ep or cfg.ep == 1:
+        return None
+    from . import expert
+
+    return expert.ExpertSplit(cfg, mesh)
