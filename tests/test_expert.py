@@ -1,10 +1,11 @@
-"""Expert parallelism on real gloo processes against one process: tiny_moe trained with
-strategy ep (k = 1 and 2; ep = 4, and ep = 2 < dp = 4) and inside hybrid (ep x tp, ep x
-pp) equals strategy single on the same global batch within 1e-5 over 20 steps; the
-routing the ranks report adds up to single's; a metered step's bytes are what theory
-says: the all-to-alls follow the measured routing (two per MoE layer forward, two
-backward), the gradient all-reduces the replicated and the expert bytes; the expert
-parameters a rank holds fall with ep."""
+"""Expert parallelism on real gloo processes against one process, all runs in one set of
+4 gloo processes (`runs`): tiny_moe trained with strategy ep (k = 1 and 2; ep = 4, and
+ep = 2 < dp = 4), inside hybrid (ep x tp, ep x pp), and hf:mixtral with strategy ep
+equal strategy single on the same global batch within 1e-5 over 20 steps; DeepSpeed-MoE
+(backend deepspeed) equals the torch backend; the routing the ranks report adds up to
+single's; a metered step's bytes are what theory says: the all-to-alls follow the
+measured routing (two per MoE layer forward, two backward), the gradient all-reduces
+the replicated and the expert bytes; the expert parameters a rank holds fall with ep."""
 
 from __future__ import annotations
 
@@ -14,19 +15,26 @@ import torch
 from nbpar.config import GPTConfig, MoEConfig, TrainConfig
 from nbpar.dims import ParallelDims
 from tests.distributed import run_distributed
+from tests.reference.hf import SMALL as HF_SMALL
 
 pytestmark = pytest.mark.timeout(900)
 
 STEPS, MICRO, ACCUM, WORLD, EXPERTS = 20, 2, 2, 4, 4
 GPT = dict(seq_len=16, d_model=32, n_heads=4, n_layers=2)
 METERED = 2  # the loop meters a run's third step
+#: Runs that route alike part when a token's k-th and (k+1)-th router probabilities are
+#: within rounding of each other: DeepSpeed pads each expert's rows to the capacity, so
+#: its expert matmuls round differently from the torch backend's (gradients equal to
+#: ~1e-7); at seed 3 one token changes experts at step 6 (losses 7e-5 apart there, 7e-4
+#: by step 18); at seed 5 no choice is that close in 20 steps.
+SEED = 5
 
 
 def _cfg(k=2, **kw) -> TrainConfig:
     base = dict(
         model="tiny_moe",
         steps=STEPS,
-        seed=3,
+        seed=SEED,
         lr=3e-3,
         grad_accum=ACCUM,
         gpt=GPTConfig(**GPT),
@@ -35,22 +43,49 @@ def _cfg(k=2, **kw) -> TrainConfig:
     return TrainConfig(**{**base, **kw})
 
 
-def _single(k: int, dp: int) -> dict:
-    """The reference: one process, each micro-batch the whole global one."""
+MIXTRAL = dict(model="hf:mixtral", model_config=HF_SMALL["hf:mixtral"])
+#: plain SGD: a gradient off by a constant factor changes its steps (Adam's would not)
+SGD = dict(optimizer="sgd", lr=0.1)
+#: what a run shares with its single-process reference
+SHARED = ("model", "model_config", "optimizer", "lr")
+#: name -> (k, the config's other fields, the data-parallel degree of its global batch)
+RUNS = {
+    "ep4 k2": (2, dict(strategy="ep", ep=4), 4),
+    "ep4 k1": (1, dict(strategy="ep", ep=4), 4),
+    "ep2 k2": (2, dict(strategy="ep", ep=2, **SGD), 4),
+    "deepspeed ep2 k2": (2, dict(strategy="ep", ep=2, backend="deepspeed", **SGD), 4),
+    "deepspeed ep4 k1": (1, dict(strategy="ep", ep=4, backend="deepspeed"), 4),
+    "hybrid ep2 tp2": (2, dict(strategy="hybrid", dp=2, tp=2, ep=2), 2),
+    "hybrid ep2 pp2": (2, dict(strategy="hybrid", dp=2, pp=2, ep=2), 2),
+    "mixtral ep2": (2, dict(strategy="ep", ep=2, **MIXTRAL), 4),
+}
+
+
+def _single(name: str) -> dict:
+    """The reference of run ``name``: one process, each micro-batch the whole global one."""
     from nbpar.train.loop import run_training
 
-    return run_training(_cfg(k, strategy="single", micro_batch=MICRO * dp))
+    k, kw, dp = RUNS[name]
+    kw = {key: v for key, v in kw.items() if key in SHARED}
+    return run_training(_cfg(k, strategy="single", micro_batch=MICRO * dp, **kw))
 
 
 def _train(rank, world, configs):
-    """Every config on this rank: its losses, step records and parameter bytes."""
+    """Every config on this rank: its losses and step records."""
     from nbpar.train.loop import run_training
 
-    out = []
-    for cfg in configs:
-        r = run_training(cfg)
-        out.append({key: r[key] for key in ("losses", "history", "param_bytes")})
-    return out
+    return [{key: r[key] for key in ("losses", "history")} for r in map(run_training, configs)]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """name -> (every rank's losses and records, the single reference's)."""
+    configs = [_cfg(k, micro_batch=MICRO, **kw) for k, kw, _ in RUNS.values()]
+    results = run_distributed(_train, WORLD, configs, timeout=880)
+    return {
+        name: ([r[i] for r in results], _single(name), configs[i].dims(WORLD))
+        for i, name in enumerate(RUNS)
+    }
 
 
 def _close(got, ref, what: str) -> None:
@@ -113,37 +148,46 @@ def _check_routing(runs: list[dict], ref: dict, k: int) -> None:
     assert summed == first
 
 
-def test_ep_equals_single_for_top1_and_top2_and_ep_below_dp():
-    """dp = 4 in every run: ep = 4 (one expert a rank) with k = 2 and k = 1, and ep = 2
-    (two copies of each expert pair); their references are single on the same batch."""
-    layouts = [(2, 4), (1, 4), (2, 2)]  # (k, ep)
-    configs = [_cfg(k, strategy="ep", ep=ep, micro_batch=MICRO) for k, ep in layouts]
-    results = run_distributed(_train, WORLD, configs, timeout=850)
-    refs = {k: _single(k, WORLD) for k in (1, 2)}
-    expert_bytes = {}
-    for i, (k, ep) in enumerate(layouts):
-        runs = [r[i] for r in results]
-        ref = refs[k]
-        for rank, run in enumerate(runs):
-            _close(run["losses"], ref["losses"], f"ep={ep} k={k} rank {rank}")
-        dims = configs[i].dims(WORLD)
-        _check_routing(runs, ref, k)
-        _check_bytes(runs, dims)
-        expert_bytes[(k, ep)] = {run["history"][-1]["expert_param_bytes"] for run in runs}
-    # the expert parameters a rank holds fall with ep: E / ep experts each
-    (at4,), (at2,) = expert_bytes[(2, 4)], expert_bytes[(2, 2)]
+@pytest.mark.parametrize("name", [n for n in RUNS if "deepspeed" not in n])
+def test_expert_parallel_equals_single(runs, name):
+    """ep = 4 (one expert a rank) with k = 2 and k = 1, ep = 2 below dp = 4 (two copies
+    of each pair of experts; with SGD, so the experts' gradient average must be the
+    global batch's to the factor), ep x tp, ep x pp and hf:mixtral's experts."""
+    ranks, ref, _ = runs[name]
+    assert ref["losses"][-1] < ref["losses"][0], "the reference does not learn"
+    for rank, run in enumerate(ranks):
+        _close(run["losses"], ref["losses"], f"{name} rank {rank}")
+
+
+def test_deepspeed_moe_equals_the_torch_backend(runs):
+    """DeepSpeed-MoE, dropless, on the same weights and batches, k = 2 and k = 1 (see
+    `SEED`)."""
+    for name, torch_name in [("deepspeed ep2 k2", "ep2 k2"), ("deepspeed ep4 k1", "ep4 k1")]:
+        for rank, (ds, ours) in enumerate(zip(runs[name][0], runs[torch_name][0])):
+            _close(ds["losses"], ours["losses"], f"{name} rank {rank}")
+
+
+@pytest.mark.parametrize("name", ["ep4 k2", "ep4 k1", "ep2 k2", "mixtral ep2"])
+def test_the_ranks_routing_adds_up_to_single(runs, name):
+    ranks, ref, _ = runs[name]
+    _check_routing(ranks, ref, RUNS[name][0])
+
+
+@pytest.mark.parametrize("name", ["ep4 k2", "ep4 k1", "ep2 k2"])
+def test_bytes_per_step_follow_the_routing(runs, name):
+    ranks, _, dims = runs[name]
+    _check_bytes(ranks, dims)
+
+
+def test_expert_bytes_per_rank_fall_with_ep(runs):
+    """E / ep experts a rank: half as many bytes at ep 4 as at ep 2, all of them in one
+    process."""
+    (at4,) = {r["history"][-1]["expert_param_bytes"] for r in runs["ep4 k2"][0]}
+    (at2,) = {r["history"][-1]["expert_param_bytes"] for r in runs["ep2 k2"][0]}
+    d = GPT["d_model"]
+    one = 2 * (4 * d * d) + 4 * d + d  # an expert: w1, w2 (4d x d each), b1 (4d), b2 (d)
+    assert at4 == GPT["n_layers"] * 1 * one * 4  # fp32, one expert a layer
     assert at2 == 2 * at4
-    layer = GPT["d_model"] * 4 * GPT["d_model"]  # one expert's w1 (and w2) elements
-    assert at4 == GPT["n_layers"] * 4 * (2 * layer + 4 * GPT["d_model"] + GPT["d_model"])
-
-
-def test_ep_inside_hybrid_with_tp_and_with_pp():
-    """dp = 2 = ep with tp = 2 (each expert whole on both tp ranks), and with pp = 2
-    (each stage shares out its own blocks' experts); single runs the same global batch."""
-    layouts = [dict(dp=2, tp=2, ep=2), dict(dp=2, pp=2, ep=2, schedule="1f1b")]
-    configs = [_cfg(2, strategy="hybrid", micro_batch=MICRO, **kw) for kw in layouts]
-    results = run_distributed(_train, WORLD, configs, timeout=850)
-    ref = _single(2, 2)
-    for i, layout in enumerate(layouts):
-        for rank, r in enumerate(results):
-            _close(r[i]["losses"], ref["losses"], f"hybrid {layout} rank {rank}")
+    full = runs["ep4 k2"][1]["history"][-1]["param_bytes"]
+    held = runs["ep4 k2"][0][0]["history"][-1]["param_bytes"]
+    assert full - held == GPT["n_layers"] * (EXPERTS - 1) * one * 4

@@ -51,6 +51,7 @@ DISPATCH = {
     ("tp", None, None): "tensor",
     ("hybrid", None, None): "hybrid",
     ("ep", "torch", None): "expert",
+    ("ep", "deepspeed", None): "ds_expert",
 }
 
 
