@@ -1,9 +1,9 @@
 """Hugging Face transformers families, built from a config with random weights.
 
-``"hf:gpt2"``, ``"hf:llama"`` and ``"hf:mixtral"`` build the family's ``*ForCausalLM`` from its config
-class (``model_config`` overrides small defaults; nothing is downloaded), then keep
-its parts as a flat module like TinyGPT: ``embed`` (+ ``pos`` for GPT-2), ``layers``
-(a ModuleDict "0".."L-1"), ``norm`` and ``head``. nbpar runs them itself, so a pipeline
+``"hf:gpt2"``, ``"hf:llama"`` and ``"hf:mixtral"`` build the family's ``*ForCausalLM``
+from its config class (``model_config`` overrides small defaults; nothing is downloaded),
+then keep its parts as a flat module like TinyGPT: ``embed`` (+ ``pos`` for GPT-2),
+``layers`` (a ModuleDict "0".."L-1"), ``norm`` and ``head``. nbpar runs them itself, so a pipeline
 stage is the same module with parts set to None, and the parallel plan is declared
 once here: Llama's tensor-parallel plan is transformers' own ``base_model_tp_plan``.
 GPT-2 has none in transformers: its ``c_attn`` computes q, k and v side by side in one
