@@ -71,10 +71,11 @@ def _single(name: str) -> dict:
 
 
 def _train(rank, world, configs):
-    """Every config on this rank: its losses and step records."""
+    """Every config on this rank: its losses, step records and routing."""
     from nbpar.train.loop import run_training
 
-    return [{key: r[key] for key in ("losses", "history")} for r in map(run_training, configs)]
+    keys = ("losses", "history", "tokens_per_expert")
+    return [{key: r[key] for key in keys} for r in map(run_training, configs)]
 
 
 @pytest.fixture(scope="module")
@@ -132,11 +133,14 @@ def _check_bytes(runs: list[dict], dims: ParallelDims) -> None:
 
 
 def _check_routing(runs: list[dict], ref: dict, k: int) -> None:
-    """Each rank routes its own micro-batches (every token to k experts per layer); on
-    the first step, before any update, the ranks' counts add up to single's."""
+    """Each rank routes its own micro-batches (every token to k experts per layer), and
+    its result sums its steps; on the first step, before any update, the ranks' counts
+    add up to single's."""
     for run in runs:
         for counts in run["history"][0]["tokens_per_expert"].values():
             assert sum(counts) == MICRO * ACCUM * GPT["seq_len"] * k
+        for counts in run["tokens_per_expert"].values():
+            assert sum(counts) == STEPS * MICRO * ACCUM * GPT["seq_len"] * k
     first = ref["history"][0]["tokens_per_expert"]
     summed = {
         layer: [

@@ -34,7 +34,7 @@ from nbpar.measure.clocks import step_clock
 from nbpar.measure.comm import CommMeter, exchange_launches
 from nbpar.measure.memtrack import StepMemory
 from nbpar.measure.metrics import CommTimer, memory_snapshot, step_peak_bytes
-from nbpar.measure.records import MEMORY_PARTS, RankResult, StepRecord
+from nbpar.measure.records import MEMORY_PARTS, RankResult, StepRecord, routing_total
 from nbpar.measure.step_split import SETUP_STEPS, blocked_shares, share_summary
 from nbpar.model.data import build_loader
 from nbpar.model.models import build_model
@@ -293,6 +293,7 @@ def _summary(history: list[StepRecord], runner, ctx: RankContext, comm) -> RankR
         "bubble_fraction_with_stalls": with_stalls() if callable(with_stalls) else None,
         # which step the bubbles and timeline are: step, typical, normal_steps, metered, stalls
         "bubble_step": timelines.about() if timelines is not None else None,
+        "tokens_per_expert": routing_total(history),
         "history": history,
     }
 
