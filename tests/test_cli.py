@@ -29,6 +29,12 @@ def nbpar(*args, timeout=300):
         (["frobnicate"], "invalid choice"),
         (["train", "--resume-from", "/nonexistent/ckpt"], "/nonexistent/ckpt"),
         (["train", "--strategy", "hybrid", "--dp", "2", "--tp", "2", "--engines", "2"], "dp*tp*pp"),
+        (["train", "--strategy", "ep", "--model", "tiny_gpt"], "mixture-of-experts"),
+        (
+            ["train", "--strategy", "ep", "--model", "tiny_moe", "--engines", "2"]
+            + ["--model-config", '{"n_experts": 3, "d_model": 16}'],
+            "ep=2 must divide the 3 experts",
+        ),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args, needle):

@@ -282,6 +282,15 @@ def test_moe_sizes_are_checked_and_travel_with_the_config():
         TrainConfig.from_dict({"moe": {"experts": 4}})
 
 
+def test_model_config_sizes_tiny_moe_by_field_name():
+    from nbpar.config import MoEConfig, model_config_fields
+
+    got = model_config_fields("tiny_moe", '{"d_model": 16, "n_experts": 8, "top_k": 1}')
+    assert got == {"gpt": GPTConfig(d_model=16), "moe": MoEConfig(n_experts=8, top_k=1)}
+    with pytest.raises(ValueError, match="--model-config.*experts"):
+        model_config_fields("tiny_moe", '{"experts": 8}')
+
+
 STAGE_2 = {"zero_optimization": {"stage": 2}}
 
 
