@@ -62,6 +62,8 @@ RUNS = {
     "ddp": (2, dict(strategy="ddp"), 4),
     "zero3": (2, dict(strategy="zero3"), 4),
     "deepspeed zero2": (2, dict(strategy="zero2", backend="deepspeed"), 4),
+    # its stages pass (hidden, balance loss so far) on (DeepSpeed's PipelineModule)
+    "deepspeed hybrid pp2": (2, dict(strategy="hybrid", backend="deepspeed", dp=2, pp=2), 2),
 }
 
 
@@ -166,7 +168,7 @@ def test_every_strategy_equals_single(runs, name):
     """ep = 4 (one expert a rank) with k = 2 and k = 1, ep = 2 below dp = 4 (two copies
     of each pair of experts; with SGD, so the experts' gradient average must be the
     global batch's to the factor), ep x tp, ep x pp, hf:mixtral's experts, and tiny_moe
-    under DDP, FSDP2 (ZeRO-3) and DeepSpeed ZeRO-2."""
+    under DDP, FSDP2 (ZeRO-3), DeepSpeed ZeRO-2 and DeepSpeed's pipeline."""
     ranks, ref, _ = runs[name]
     assert ref["losses"][-1] < ref["losses"][0], "the reference does not learn"
     for rank, run in enumerate(ranks):

@@ -167,6 +167,8 @@ class TinyMoE(TinyGPT):
         return plan
 
     def forward(self, x: torch.Tensor, aux: torch.Tensor | None = None):
+        if isinstance(x, tuple):  # DeepSpeed's pipeline hands a stage its inputs as one
+            x, aux = x
         out = super().forward(x)  # logits, or hidden states on a stage without the head
         total = aux if aux is not None else out.new_zeros(out.shape[0], dtype=torch.float32)
         for block in self.layers.values():
