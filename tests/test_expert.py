@@ -200,6 +200,8 @@ def test_expert_bytes_per_rank_fall_with_ep(runs):
     process."""
     (at4,) = {r["history"][-1]["expert_param_bytes"] for r in runs["ep4 k2"][0]}
     (at2,) = {r["history"][-1]["expert_param_bytes"] for r in runs["ep2 k2"][0]}
+    for name, held in [("deepspeed ep4 k1", at4), ("deepspeed ep2 k2", at2)]:  # the same
+        assert {r["history"][-1]["expert_param_bytes"] for r in runs[name][0]} == {held}
     d = GPT["d_model"]
     one = 2 * (4 * d * d) + 4 * d + d  # an expert: w1, w2 (4d x d each), b1 (4d), b2 (d)
     assert at4 == GPT["n_layers"] * 1 * one * 4  # fp32, one expert a layer

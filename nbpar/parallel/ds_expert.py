@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nbpar.measure.holdings import tensor_bytes
 from nbpar.model.moe import balance_loss
 from nbpar.model.plan import require
 
@@ -81,6 +82,15 @@ class DeepSpeedMoEFeedForward(nn.Module):
         return out
 
 
+class DeepSpeedExpertRunner(DeepSpeedRunner):
+    """DeepSpeedRunner that also reports the bytes of the experts this rank holds (the
+    parameters DeepSpeed-MoE keeps out of the data-parallel all-reduce)."""
+
+    def memory(self) -> dict[str, int]:
+        experts = [p for p in self.parameters() if getattr(p, "allreduce", True) is False]
+        return {**super().memory(), "expert_param_bytes": tensor_bytes(experts)}
+
+
 def build_runner(model: nn.Module, cfg, mesh, loss=None) -> DeepSpeedRunner:
     """tiny_moe with DeepSpeed-MoE feed-forwards over cfg's ep ranks, on an engine of
     ZeRO stage 0 over ``mesh["dp"]``."""
@@ -96,4 +106,4 @@ def build_runner(model: nn.Module, cfg, mesh, loss=None) -> DeepSpeedRunner:
         loss = loss_fn(cfg)
     with contextlib.redirect_stdout(io.StringIO()):  # "creating a new group named ep_size_2"
         engine = initialize(model, config, mesh)
-    return DeepSpeedRunner(engine, loss, config)
+    return DeepSpeedExpertRunner(engine, loss, config)
