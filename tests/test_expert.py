@@ -54,6 +54,7 @@ RUNS = {
     "ep4 k2": (2, dict(strategy="ep", ep=4), 4),
     "ep4 k1": (1, dict(strategy="ep", ep=4), 4),
     "ep2 k2": (2, dict(strategy="ep", ep=2, **SGD), 4),
+    "ep1 k2": (2, dict(strategy="ep", ep=1), 4),  # every rank holds every expert
     "deepspeed ep2 k2": (2, dict(strategy="ep", ep=2, backend="deepspeed", **SGD), 4),
     "deepspeed ep4 k1": (1, dict(strategy="ep", ep=4, backend="deepspeed"), 4),
     "hybrid ep2 tp2": (2, dict(strategy="hybrid", dp=2, tp=2, ep=2), 2),
@@ -197,10 +198,13 @@ def test_bytes_per_step_follow_the_routing(runs, name):
 
 
 def test_expert_bytes_per_rank_fall_with_ep(runs):
-    """E / ep experts a rank: half as many bytes at ep 4 as at ep 2, all of them in one
-    process."""
+    """E / ep experts a rank: the bytes halve from ep 1 to 2 and from 2 to 4; DeepSpeed's
+    ranks hold the same; a rank at ep 4 holds three experts a layer fewer than one
+    process does."""
     (at4,) = {r["history"][-1]["expert_param_bytes"] for r in runs["ep4 k2"][0]}
     (at2,) = {r["history"][-1]["expert_param_bytes"] for r in runs["ep2 k2"][0]}
+    (at1,) = {r["history"][-1]["expert_param_bytes"] for r in runs["ep1 k2"][0]}
+    assert at1 == 2 * at2
     for name, held in [("deepspeed ep4 k1", at4), ("deepspeed ep2 k2", at2)]:  # the same
         assert {r["history"][-1]["expert_param_bytes"] for r in runs[name][0]} == {held}
     d = GPT["d_model"]

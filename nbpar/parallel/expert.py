@@ -68,12 +68,13 @@ def _local_experts(experts: nn.Module, lo: int, hi: int) -> nn.Module:
 
 class ShardedExperts(nn.Module):
     """An experts module split over the ``group``'s ranks: same call, same result, only
-    E / ep experts here. ``local`` holds them (experts ``first`` .. ``first + E/ep - 1``)."""
+    E / ep experts here. ``local`` holds them (experts ``first`` .. ``first + E/ep - 1``);
+    ``group`` None: ep = 1, every expert here and no token travels."""
 
     def __init__(self, experts: nn.Module, group):
         super().__init__()
         self.group = group
-        self.ep, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.ep, rank = (dist.get_world_size(group), dist.get_rank(group)) if group else (1, 0)
         self.num_experts = experts.num_experts
         self.per_rank = self.num_experts // self.ep
         self.first = rank * self.per_rank
@@ -82,6 +83,8 @@ class ShardedExperts(nn.Module):
     def forward(self, hidden, top_k_index, top_k_weights) -> torch.Tensor:
         """(T, d) tokens, their (T, k) experts and weights -> (T, d), as the whole
         experts module computes it."""
+        if self.ep == 1:
+            return self.local(hidden, top_k_index, top_k_weights)
         t, k = top_k_index.shape
         flat = top_k_index.reshape(-1)  # (T k,) one row per token-expert assignment
         order = flat.argsort(stable=True)  # rows grouped by expert, so by rank
@@ -107,7 +110,7 @@ class ShardedExperts(nn.Module):
 
 def apply_ep(model: nn.Module, ep_group) -> nn.Module:
     """Replace the experts module of every block ``model`` holds (a whole model or a
-    pipeline stage) by its `ShardedExperts` over ``ep_group``, in place."""
+    pipeline stage) by its `ShardedExperts` over ``ep_group``, in place (None: ep = 1)."""
     plan = require(model, "expert")
     for block in plan.layers.values():
         block.set_submodule(
@@ -150,11 +153,15 @@ class GradSync:
 
 
 def expert_groups(cfg, mesh):
-    """(ep group, edp group or None where dp == ep, dp, ep) of ``cfg`` on this world."""
+    """(ep group, edp group, dp, ep) of ``cfg`` on this world; a group is None where it
+    would hold one rank (ep = 1: no ep group, every data-parallel rank holds the same
+    experts; ep = dp: no edp group, one copy of each expert)."""
     from .mesh import cached_expert_mesh
 
     dims = cfg.dims(dist.get_world_size())
     experts = cached_expert_mesh(dims, mesh.device_type)
+    if experts is None:
+        return None, mesh["dp"].get_group() if dims.dp > 1 else None, dims.dp, 1
     edp = experts.get_group("edp") if dims.dp > dims.ep else None
     return experts.get_group("ep"), edp, dims.dp, dims.ep
 
