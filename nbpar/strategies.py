@@ -319,7 +319,7 @@ def _check_ep(cfg) -> None:
     if cfg.fsdp_reshard is not None:
         raise ConfigError(
             "expert parallelism averages the replicated and the expert gradients itself: "
-            "fsdp_reshard does not apply with ep > 1",
+            "fsdp_reshard does not apply to it",
             fields=("fsdp_reshard", "ep"),
         )
     if cfg.checkpoint_every or cfg.resume_from is not None:

@@ -7,7 +7,9 @@ blocks Megatron-style on ``mesh["tp"]``, then replicate the stages over
 ``cfg.fsdp_reshard`` None -> every replica keeps full (tp-local) params and
 gradients are averaged with one all-reduce over dp after the pipeline step
 (DDP's math); True/False -> FSDP2 on each stage module (ZeRO-3 / ZeRO-2), whose
-gradient sync the pipeline stage defers to the last micro-batch.
+gradient sync the pipeline stage defers to the last micro-batch. An ``ep`` degree shares
+out each stage's experts over ep of the dp ranks (`expert`), whose rule then averages
+the gradients.
 """
 
 from __future__ import annotations
