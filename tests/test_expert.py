@@ -214,3 +214,12 @@ def test_expert_bytes_per_rank_fall_with_ep(runs):
     full = runs["ep4 k2"][1]["history"][-1]["param_bytes"]
     held = runs["ep4 k2"][0][0]["history"][-1]["param_bytes"]
     assert full - held == GPT["n_layers"] * (EXPERTS - 1) * one * 4
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "ep"])
+def test_simulating_a_mixture_of_experts_is_refused_in_one_line(strategy):
+    import nbpar
+
+    with pytest.raises(ValueError, match="tiny_moe cannot be simulated: how many tokens") as err:
+        nbpar.simulate(TrainConfig(model="tiny_moe", strategy=strategy), world_size=2)
+    assert "\n" not in str(err.value)

@@ -74,7 +74,8 @@ class ShardedExperts(nn.Module):
     def __init__(self, experts: nn.Module, group):
         super().__init__()
         self.group = group
-        self.ep, rank = (dist.get_world_size(group), dist.get_rank(group)) if group else (1, 0)
+        on = group is not None
+        self.ep, rank = (dist.get_world_size(group), dist.get_rank(group)) if on else (1, 0)
         self.num_experts = experts.num_experts
         self.per_rank = self.num_experts // self.ep
         self.first = rank * self.per_rank

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from nbpar.measure.holdings import optimizer_state_tensors, tensor_bytes
 from nbpar.parallel.tensor import TensorParallelRunner
-from nbpar.strategies import PIPELINED
+from nbpar.strategies import PIPELINED, is_moe
 
 
 class Zero1StandIn(TensorParallelRunner):
@@ -39,6 +39,11 @@ def check_simulable(cfg) -> None:
         )
     if cfg.strategy in PIPELINED and (cfg.pp or 1) > 1 and cfg.schedule == "interleaved":
         raise ValueError("schedule 'interleaved' is not simulated; use 'gpipe' or '1f1b'")
+    if is_moe(cfg.model):
+        raise ValueError(
+            f"{cfg.model} cannot be simulated: how many tokens each expert gets is data "
+            f"(the routing), which fake tensors do not have"
+        )
 
 
 def _data_parallel_standin(model, cfg, mesh):
