@@ -40,13 +40,14 @@ def build_parser() -> Parser:
     t.add_argument(
         "--model",
         default=None,
-        help="simple_cnn, tiny_gpt, hf:gpt2, hf:llama or package.module:function",
+        help="simple_cnn, tiny_gpt, tiny_moe, hf:gpt2, hf:llama, hf:mixtral or "
+        "package.module:function",
     )
     t.add_argument(
         "--model-config",
         default=None,
         help="JSON: an hf family's config fields, a factory's keyword arguments, "
-        "tiny_gpt's gpt sizes",
+        "tiny_gpt's gpt sizes (tiny_moe's gpt and moe fields)",
     )
     t.add_argument("--dataset", default=None, help="a built-in name or package.module:function")
     t.add_argument("--loss", default=None, help="package.module:function(output, target)")

@@ -31,8 +31,14 @@ from nbpar.strategies import (
     resolve_degrees,
 )
 
-DATASETS = {"simple_cnn": ("cifar10", "digits"), "tiny_gpt": ("pysource",)}
+DATASETS = {
+    "simple_cnn": ("cifar10", "digits"),
+    "tiny_gpt": ("pysource",),
+    "tiny_moe": ("pysource",),
+}
 PRECISIONS = ("fp32", "bf16", "fp16")
+#: models whose vocabulary gpt.vocab_size sets for byte-level text
+BYTE_MODELS = ("tiny_gpt", "tiny_moe", "hf:gpt2", "hf:llama", "hf:mixtral")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 
 
@@ -77,14 +83,48 @@ class GPTConfig:
 
 
 @dataclass(kw_only=True)
+class MoEConfig:
+    """The experts of tiny_moe (its other sizes are ``gpt``'s): every block's feed-forward
+    is a top-k router over ``n_experts`` expert FFNs of gpt.ffn_mult * d_model width."""
+
+    n_experts: int = 4
+    """expert FFNs per block (expert parallelism holds n_experts / ep of them per rank)"""
+    top_k: int = 2
+    """experts each token is sent to: 1 (Switch, weighted by its router probability) or
+    more (GShard / Mixtral, weights renormalised over the k chosen)"""
+    aux_loss_coef: float = 0.01
+    """weight of the load-balancing loss (computed per sequence, see `nbpar.model.moe`);
+    0 = none"""
+
+    def validate(self) -> MoEConfig:
+        """Raise ConfigError naming the first bad field (``moe.<field>``); returns self."""
+        positive_int("moe.n_experts", self.n_experts)
+        positive_int("moe.top_k", self.top_k)
+        if self.top_k > self.n_experts:
+            raise ConfigError(
+                f"moe.top_k={self.top_k} must be at most moe.n_experts={self.n_experts}",
+                fields=("moe.top_k", "moe.n_experts"),
+            )
+        coef = self.aux_loss_coef
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef >= 0:
+            raise ConfigError(
+                f"moe.aux_loss_coef must be a number >= 0, got {coef!r}",
+                fields=("moe.aux_loss_coef",),
+            )
+        return self
+
+
+@dataclass(kw_only=True)
 class TrainConfig:
     """One training experiment: model, data, strategy, degrees and step budget."""
 
     model: str | Callable = "tiny_gpt"
     """"simple_cnn" (CIFAR-10 shaped images), "tiny_gpt" (byte-level language model),
-    "hf:gpt2" / "hf:llama" (transformers, random init from ``model_config``), a name given
-    to `nbpar.register_model`, a "package.module:function" string or a picklable callable
-    returning an nn.Module (called with ``model_config`` as keyword arguments)"""
+    "tiny_moe" (tiny_gpt with mixture-of-experts feed-forwards, sized by ``moe``),
+    "hf:gpt2" / "hf:llama" / "hf:mixtral" (transformers, random init from
+    ``model_config``), a name given to `nbpar.register_model`, a "package.module:function"
+    string or a picklable callable returning an nn.Module (called with ``model_config`` as
+    keyword arguments)"""
     model_config: dict | None = None
     """a Hugging Face family's config fields (e.g. {"hidden_size": 256}), or a factory's
     keyword arguments"""
@@ -158,7 +198,9 @@ class TrainConfig:
     backend becomes "deepspeed"); its "auto" values are filled from the TrainConfig.
     A field given explicitly that disagrees with the config is an error."""
     gpt: GPTConfig = field(default_factory=GPTConfig)
-    """sizes of tiny_gpt"""
+    """sizes of tiny_gpt (and of tiny_moe's transformer)"""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """the experts of tiny_moe"""
     checkpoint_dir: str | None = None
     """where checkpoints are written"""
     checkpoint_every: int = 0
@@ -234,7 +276,8 @@ class TrainConfig:
                 "checkpoint_every > 0 needs checkpoint_dir", fields=("checkpoint_dir",)
             )
         self.gpt.validate()
-        if self.model in ("tiny_gpt", "hf:gpt2", "hf:llama") and self.gpt.vocab_size < 256:
+        self.moe.validate()
+        if self.model in BYTE_MODELS and self.gpt.vocab_size < 256:
             raise ConfigError(
                 f"gpt.vocab_size={self.gpt.vocab_size} is too small for byte-level "
                 f"text; it must be >= 256",
@@ -337,7 +380,7 @@ class TrainConfig:
 
     # ---- serialisation --------------------------------------------------
     def to_dict(self) -> dict:
-        """A JSON-able dict (nested ``gpt`` as a dict)."""
+        """A JSON-able dict (nested ``gpt`` and ``moe`` as dicts)."""
         return asdict(self)
 
     @classmethod
@@ -348,22 +391,30 @@ class TrainConfig:
         if unknown:
             raise ConfigError(f"unknown TrainConfig field(s) {', '.join(unknown)}", fields=unknown)
         d = dict(d)
-        gpt = d.pop("gpt", None)
-        if isinstance(gpt, dict):
-            gknown = {f.name for f in fields(GPTConfig)}
-            bad = sorted(set(gpt) - gknown)
-            if bad:
-                raise ConfigError(
-                    f"unknown GPTConfig field(s) {', '.join(bad)}",
-                    fields=tuple(f"gpt.{b}" for b in bad),
-                )
-            gpt = GPTConfig(**gpt)
-        return cls(**d, **({"gpt": gpt} if gpt is not None else {}))
+        nested = {name: _nested(c, name, d.pop(name, None)) for name, c in NESTED.items()}
+        return cls(**d, **{k: v for k, v in nested.items() if v is not None})
+
+
+#: TrainConfig's nested configs: field -> class
+NESTED = {"gpt": GPTConfig, "moe": MoEConfig}
+
+
+def _nested(cls, name: str, value):
+    """A nested config from its dict (unknown keys raise ConfigError naming them)."""
+    if not isinstance(value, dict):
+        return value
+    bad = sorted(set(value) - {f.name for f in fields(cls)})
+    if bad:
+        raise ConfigError(
+            f"unknown {cls.__name__} field(s) {', '.join(bad)}",
+            fields=tuple(f"{name}.{b}" for b in bad),
+        )
+    return cls(**value)
 
 
 def model_config_fields(model: str, text: str) -> dict:
-    """TrainConfig fields from a ``--model-config`` JSON object: tiny_gpt's ``gpt`` sizes,
-    else the model's ``model_config``."""
+    """TrainConfig fields from a ``--model-config`` JSON object: tiny_gpt's ``gpt`` sizes
+    (tiny_moe's ``gpt`` and ``moe`` fields, by name), else the model's ``model_config``."""
     import json
 
     try:
@@ -372,12 +423,16 @@ def model_config_fields(model: str, text: str) -> dict:
         raise ValueError(f"--model-config is not JSON: {err}") from None
     if not isinstance(sizes, dict):
         raise ValueError(f"--model-config must be a JSON object, got {sizes!r}")
-    if model != "tiny_gpt":
+    if model not in ("tiny_gpt", "tiny_moe"):
         return {"model_config": sizes}
+    moe_keys = {f.name for f in fields(MoEConfig)} if model == "tiny_moe" else set()
     try:
-        return {"gpt": GPTConfig(**sizes)}
+        out = {"gpt": GPTConfig(**{k: v for k, v in sizes.items() if k not in moe_keys})}
+        if moe_keys:
+            out["moe"] = MoEConfig(**{k: v for k, v in sizes.items() if k in moe_keys})
     except TypeError as err:
         raise ValueError(f"--model-config: {err}") from None
+    return out
 
 
 def _explicit_fields(cls):

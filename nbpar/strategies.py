@@ -136,8 +136,9 @@ def _check_splits(strategy: str, backend: str, given: dict) -> None:
         if v in (None, 1) or k in allowed:
             continue
         if strategy == "hybrid":
+            what = "tensor" if k == "tp" else {"cp": "context", "ep": "expert"}.get(k, k)
             raise ConfigError(
-                f"the DeepSpeed pipeline backend has no tensor parallelism ({k}={v}); "
+                f"the DeepSpeed pipeline backend has no {what} parallelism ({k}={v}); "
                 f"use backend 'torch' with strategy 'hybrid'",
                 fields=(k, "backend"),
             )
@@ -312,11 +313,47 @@ def _check_new_dimensions(cfg) -> None:
             f"(a name with 'moe', e.g. 'tiny_moe'), not {cfg.model!r}",
             fields=("model", "strategy"),
         )
+    if has_ep:
+        _check_ep(cfg)
     if cfg.schedule in ZERO_BUBBLE and b != "torch":
         raise ConfigError(
             f"schedule {cfg.schedule!r} runs on backend 'torch' (DeepSpeed's pipeline "
             f"engine runs 1f1b)",
             fields=("schedule", "backend"),
+        )
+
+
+def _check_ep(cfg) -> None:
+    """What expert parallelism runs with: its own gradient average (no FSDP), no
+    checkpoints, and on DeepSpeed, DeepSpeed-MoE in place of tiny_moe's feed-forwards on
+    ZeRO stage 0."""
+    if cfg.fsdp_reshard is not None:
+        raise ConfigError(
+            "expert parallelism averages the replicated and the expert gradients itself: "
+            "fsdp_reshard does not apply to it",
+            fields=("fsdp_reshard", "ep"),
+        )
+    if cfg.checkpoint_every or cfg.resume_from is not None:
+        raise ConfigError(
+            "nbpar does not checkpoint expert-parallel runs yet (each rank holds other "
+            "experts under the same names): leave checkpoint_every and resume_from unset",
+            fields=("checkpoint_every", "resume_from", "ep"),
+        )
+    if cfg.backend != "deepspeed":
+        return
+    if cfg.model != "tiny_moe":
+        raise ConfigError(
+            f"backend 'deepspeed' runs expert parallelism with DeepSpeed-MoE layers in "
+            f"place of tiny_moe's feed-forwards; run {cfg.model!r} on backend 'torch'",
+            fields=("backend", "model"),
+        )
+    ds = cfg.deepspeed_config if isinstance(cfg.deepspeed_config, dict) else {}
+    stage = (ds.get("zero_optimization") or {}).get("stage", 0)
+    if stage not in (0, "auto"):
+        raise ConfigError(
+            f"DeepSpeed expert parallelism runs on ZeRO stage 0 (its optimizer needs "
+            f"separate expert parameter groups above it), not stage {stage}",
+            fields=("deepspeed_config", "strategy"),
         )
 
 
@@ -367,7 +404,7 @@ def check_model_degrees(cfg, world_size: int | None) -> None:
 
     layers, where = known_shape(cfg)
     gpt = cfg.gpt
-    if cfg.model == "tiny_gpt" and tp > 1 and (gpt.n_heads % tp or gpt.d_model % tp):
+    if cfg.model in ("tiny_gpt", "tiny_moe") and tp > 1 and (gpt.n_heads % tp or gpt.d_model % tp):
         raise ConfigError(
             f"tp={tp} must divide gpt.n_heads={gpt.n_heads} and gpt.d_model={gpt.d_model}",
             fields=("tp", "gpt.n_heads", "gpt.d_model"),

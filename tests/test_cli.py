@@ -33,6 +33,12 @@ def nbpar(*args, timeout=300):
             ["train", "--strategy", "pipeline", "--schedule", "dualpipev", "--engines", "2"],
             "'dualpipev' needs at least one micro-batch per stage",
         ),
+        (["train", "--strategy", "ep", "--model", "tiny_gpt"], "mixture-of-experts"),
+        (
+            ["train", "--strategy", "ep", "--model", "tiny_moe", "--engines", "2"]
+            + ["--model-config", '{"n_experts": 3, "d_model": 16}'],
+            "ep=2 must divide the 3 experts",
+        ),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args, needle):

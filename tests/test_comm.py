@@ -227,6 +227,38 @@ def _late_partner(rank, world, overlap):
     return out
 
 
+def test_all_to_all_counts_the_rows_each_rank_sends_to_the_others():
+    """Uneven splits (expert parallelism's): the meter reads them from the op's own
+    arguments, on rank 1 of a fake 4-rank group (no process): what it sends to ranks 0,
+    2 and 3, its own rows staying; even splits and a list of tensors alike."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed._functional_collectives import all_to_all_single
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from nbpar.measure.comm import CommMeter
+
+    row = 3 * 4  # a (3,) float32 row
+    x = torch.zeros(10, 3)
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        with CommMeter() as uneven:
+            dist.all_to_all_single(torch.empty(7, 3), x, [1, 2, 3, 1], [4, 3, 2, 1])
+        with CommMeter() as functional:
+            all_to_all_single(x, [1, 2, 3, 1], [4, 3, 2, 1], dist.group.WORLD).wait()
+        with CommMeter() as even:
+            dist.all_to_all_single(torch.empty(8, 3), torch.zeros(8, 3))
+        with CommMeter() as lists:
+            sizes = [1, 2, 3, 4]
+            dist.all_to_all([torch.empty(n) for n in sizes], [torch.zeros(n) for n in sizes])
+    finally:
+        dist.destroy_process_group()
+    assert uneven.by_op() == {"all_to_all": (4 + 2 + 1) * row}  # not its own 3 rows
+    assert functional.by_op() == uneven.by_op()
+    assert even.by_op() == {"all_to_all": 8 * row * 3 // 4}
+    assert lists.by_op() == {"all_to_all": (1 + 3 + 4) * 4}
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_comm_time_in_flight_and_exposed_on_real_processes(overlap):
     from tests.distributed import run_distributed

@@ -6,6 +6,7 @@ import pytest
 
 from nbpar.config import GPTConfig, TrainConfig
 from nbpar.dims import ParallelDims
+from nbpar.errors import ConfigError
 from nbpar.model.data import global_batch_line
 from nbpar.strategies import resolve_degrees
 
@@ -277,3 +278,54 @@ def test_hybrid_takes_fsdp_resharding_as_notebook_10_advises():
         TrainConfig(strategy="hybrid", dp=2, pp=2, grad_accum=2).fsdp_reshard_after_forward()
         is None
     )
+
+
+def test_moe_sizes_are_checked_and_travel_with_the_config():
+    from nbpar.config import MoEConfig
+    from nbpar.model.registry import expert_count
+
+    cfg = TrainConfig(model="tiny_moe", strategy="ep", moe=MoEConfig(n_experts=8, top_k=1))
+    assert expert_count(cfg.validate(4)) == 8
+    back = TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert back == cfg and isinstance(back.moe, MoEConfig)
+    assert expert_count(TrainConfig(model="hf:mixtral")) == 4  # its small default
+    assert expert_count(TrainConfig(model="hf:mixtral", model_config={"num_local_experts": 6})) == 6
+    for moe, field in [
+        (MoEConfig(n_experts=0), "moe.n_experts"),
+        (MoEConfig(top_k=5), "moe.top_k"),
+        (MoEConfig(aux_loss_coef=-1.0), "moe.aux_loss_coef"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            TrainConfig(model="tiny_moe", moe=moe).validate()
+        assert field in err.value.fields
+    with pytest.raises(ConfigError, match="unknown MoEConfig field.*experts"):
+        TrainConfig.from_dict({"moe": {"experts": 4}})
+
+
+def test_model_config_sizes_tiny_moe_by_field_name():
+    from nbpar.config import MoEConfig, model_config_fields
+
+    got = model_config_fields("tiny_moe", '{"d_model": 16, "n_experts": 8, "top_k": 1}')
+    assert got == {"gpt": GPTConfig(d_model=16), "moe": MoEConfig(n_experts=8, top_k=1)}
+    with pytest.raises(ValueError, match="--model-config.*experts"):
+        model_config_fields("tiny_moe", '{"experts": 8}')
+
+
+STAGE_2 = {"zero_optimization": {"stage": 2}}
+
+
+@pytest.mark.parametrize(
+    "kw, world, words",
+    [
+        (dict(strategy="ep", ep=3), 3, "ep=3 must divide the 4 experts"),
+        (dict(strategy="hybrid", dp=2, ep=2, fsdp_reshard=True), 2, "fsdp_reshard does not"),
+        (dict(strategy="ep", checkpoint_every=5, checkpoint_dir="x"), 2, "does not checkpoint"),
+        (dict(strategy="ep", backend="deepspeed", model="hf:mixtral"), 2, "DeepSpeed-MoE"),
+        (dict(strategy="ep", backend="deepspeed", deepspeed_config=STAGE_2), 2, "ZeRO stage 0"),
+        (dict(strategy="hybrid", backend="deepspeed", dp=2, pp=2, ep=2), 4, "no expert parallel"),
+    ],
+)
+def test_expert_parallelism_refuses_in_one_line(kw, world, words):
+    with pytest.raises(ConfigError, match=words) as err:
+        TrainConfig(**{"model": "tiny_moe", **kw}).validate(world)
+    assert "\n" not in str(err.value)

@@ -396,3 +396,24 @@ def test_the_pace_ignores_a_metered_spike_and_a_finished_run_says_its_average():
     assert seconds_per_step(spiked) == pytest.approx(seconds_per_step(steady))
     # the whole run's mean: 24 gaps, one of them 1.0 s
     assert seconds_per_step(spiked, average=True) == pytest.approx((23 * 0.1 + 1.0) / 24)
+
+
+def test_a_mixture_of_experts_run_shows_its_routing_imbalance():
+    """A run whose records carry tokens per expert gets a panel of each rank's busiest
+    expert over the mean one (the most uneven layer), and a note with every rank's
+    tokens per expert summed; a dense run has no such panel."""
+    hist = history(3)
+    for rec in hist:
+        even, skewed = [8, 8, 8, 8], [20, 4, 4, 4]
+        rec["tokens_per_expert"] = {"0": even, "1": skewed if rec["rank"] else even}
+    dash = live(FakeRun(history=hist))
+    panel = _panel(dash.chart.spec, "routing")
+    assert [s["label"] for s in panel["series"]] == ["rank 0", "rank 1"]
+    assert _col(dash.chart, "routing", 0) == [1.0] * 3
+    assert _col(dash.chart, "routing", 1) == [2.5] * 3  # 20 of 32 tokens, 8 the mean
+    assert dash.chart.notes["routing"].startswith(
+        "latest step, all ranks' tokens per expert in layer 1: 28 12 12 12"
+    )
+    assert "routing" not in [
+        p["id"] for p in live(FakeRun(history=history(3))).chart.spec["panels"]
+    ]

@@ -33,6 +33,7 @@ CONTRACT_RANK_KEYS = [
     "comm_blocked_fraction_spread",
     "comm_blocked_steps",
     "comm_blocked_method",
+    "tokens_per_expert",
 ]
 
 

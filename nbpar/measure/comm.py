@@ -7,7 +7,9 @@ redistributions, pipelining's send/recv) is counted with its tensors' sizes and 
 group's size, whatever strategy launched it. Bytes are what one rank sends under the
 usual ring algorithms (Thakur et al. 2005; the accounting of the ZeRO paper):
 all-reduce 2(n-1)/n of the tensor, all-gather and reduce-scatter (n-1)/n of the whole
-(gathered) tensor, broadcast (n-1)/n, send its tensor, recv nothing (its sender counts it).
+(gathered) tensor, broadcast (n-1)/n, send its tensor, recv nothing (its sender counts it),
+all-to-all the rows it sends to the other ranks, read from its split sizes (expert
+parallelism's splits are uneven: (n-1)/n of the tensor only where they are even).
 
 The same meter times the step's communication, whatever launched it: an op is in flight
 from its launch until its Work completes (the Future's callback, on the backend's thread)
@@ -61,8 +63,9 @@ _RING = {
     "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1, lambda n: (n - 1) / n),
     "broadcast_": ("broadcast", 0, lambda n: (n - 1) / n),
     "reduce_": ("reduce", 0, lambda n: (n - 1) / n),
-    "alltoall_": ("all_to_all", 0, lambda n: (n - 1) / n),
-    "alltoall_base_": ("all_to_all", 0, lambda n: (n - 1) / n),
+    # all-to-all: what the split sizes send to the others (`all_to_all_sent`)
+    "alltoall_": ("all_to_all", 1, lambda n: (n - 1) / n),
+    "alltoall_base_": ("all_to_all", 1, lambda n: (n - 1) / n),
     "gather_": ("gather", 1, lambda n: (n - 1) / n),
     "scatter_": ("scatter", 0, lambda n: (n - 1) / n),
     "send": ("send_recv", 0, lambda n: 1.0),
@@ -92,7 +95,10 @@ def functional_moved_bytes(op: str, args) -> tuple[str, float] | None:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     kind, factor = _FUNCTIONAL[op]
-    n = _resolve_process_group(args[-1]).size()
+    group = _resolve_process_group(args[-1])
+    n = group.size()
+    if op == "all_to_all_single":  # (input, output splits, input splits, group)
+        return kind, all_to_all_sent(args[0], args[2], n, group.rank())
     whole = _tensor_bytes(args[0])
     if kind == "all_gather":
         whole *= n  # the input is one rank's piece
@@ -108,15 +114,28 @@ def _tensor_bytes(obj) -> int:
     return 0
 
 
-def _group_size(args) -> int | None:
-    """Size of the ProcessGroup among a c10d op's arguments (it arrives as a
-    TorchScript object that `ProcessGroup.unbox` turns back into the group)."""
+def _group(args):
+    """The ProcessGroup among a c10d op's arguments (it arrives as a TorchScript object
+    that `ProcessGroup.unbox` turns back into the group), or None."""
     from torch.distributed.distributed_c10d import ProcessGroup
 
     for a in args:
         if type(a).__name__ == "ScriptObject" and "ProcessGroup" in a._type().name():
-            return ProcessGroup.unbox(a).size()
+            return ProcessGroup.unbox(a)
     return None
+
+
+def all_to_all_sent(sent, input_splits, n: int, rank: int) -> float:
+    """Bytes one rank sends to the others in an all-to-all: ``sent`` is its input (one
+    tensor split along dim 0 by ``input_splits``, even where they are empty) or its list
+    of n inputs (rank i's at i); its own share stays."""
+    if isinstance(sent, (list, tuple)):
+        return float(sum(_tensor_bytes(t) for i, t in enumerate(sent) if i != rank))
+    whole = _tensor_bytes(sent)
+    if not input_splits or sent.shape[0] == 0:
+        return whole * (n - 1) / n
+    row = whole / sent.shape[0]
+    return row * sum(s for i, s in enumerate(input_splits) if i != rank)
 
 
 def _group_name(namespace: str, args) -> str | None:
@@ -152,9 +171,14 @@ def moved_bytes(op: str, args) -> tuple[str, float] | None:
     if op not in _RING:
         return None
     kind, arg, factor = _RING[op]
-    n = _group_size(args) or 1
+    group = _group(args)
+    n = group.size() if group is not None else 1
     if arg is None or n < 1:
         return kind, 0.0
+    if op == "alltoall_base_":  # (output, input, group, output splits, input splits, ...)
+        return kind, all_to_all_sent(args[1], args[4], n, group.rank() if group else 0)
+    if op == "alltoall_":  # (outputs, inputs, group, ...)
+        return kind, all_to_all_sent(args[1], None, n, group.rank() if group else 0)
     whole = _tensor_bytes(args[arg])
     if kind == "all_gather" and op in ("allgather_", "allgather_coalesced_"):
         whole = _tensor_bytes(args[0])  # list of n output tensors: the whole result

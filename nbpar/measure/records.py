@@ -53,6 +53,10 @@ class StepRecord(_StepRequired, total=False):
     device_util_pct: int  # GPU: utilization in percent, where NVML answers
     offload_bytes: int  # DeepSpeed: bytes of the model states offloaded to host memory
     activation_peak_bytes: int  # pipeline: peak bytes of activations this stage kept
+    # a mixture of experts: tokens this rank's batch sent to each expert in the step, per
+    # MoE layer held here ({layer: [count per expert]}; k per token, every micro-batch)
+    tokens_per_expert: dict[str, list[int]]
+    expert_param_bytes: int  # expert parallelism: bytes of the experts this rank holds
     # every step on a CPU (`nbpar.measure.blocked`); None on a GPU
     comm_blocked_s: float | None  # seconds the training thread was blocked in the step
     # a metered step (`nbpar.train.loop.is_metered`); it runs slower, every op in Python
@@ -123,6 +127,9 @@ class RankResult(_Ranked, ModelStates):
     bubble_step: dict | None  # pipeline: which step: step, typical, normal_steps, metered, stalls
     history: list[StepRecord]  # every step record of this rank, in step order
     machine: MachineUsage  # the host over the steps: the timings' verdict reads it
+    # a mixture of experts: the run's tokens per expert per layer on this rank (the
+    # steps' `StepRecord.tokens_per_expert` summed); None for a model without routers
+    tokens_per_expert: dict[str, list[int]] | None
 
 
 class ResultRank(_Ranked, ModelStates):
@@ -150,11 +157,32 @@ class ResultRank(_Ranked, ModelStates):
     comm_blocked_fraction_spread: list[float] | None
     comm_blocked_steps: int
     comm_blocked_method: str | None
+    # a mixture of experts: the run's tokens per expert per layer on this rank, else None
+    tokens_per_expert: dict[str, list[int]] | None
 
 
 def result_rank(res: RankResult) -> ResultRank:
     """The contract's entry for one rank, its keys in `ResultRank`'s order."""
     return {key: res[key] for key in ResultRank.__annotations__}
+
+
+def routing_total(records) -> dict[str, list[int]] | None:
+    """The records' ``tokens_per_expert`` summed, per layer and expert (None if none
+    has them)."""
+    total: dict[str, list[int]] = {}
+    for rec in records:
+        for layer, counts in (rec.get("tokens_per_expert") or {}).items():
+            have = total.setdefault(layer, [0] * len(counts))
+            total[layer] = [a + b for a, b in zip(have, counts)]
+    return total or None
+
+
+def routing_imbalance(routing: dict[str, list[int]] | None) -> float | None:
+    """How unevenly tokens reach the experts: the busiest expert's tokens over the mean
+    expert's, in the layer where that ratio is highest (1 = even; E = every token to one
+    expert); None without routing or tokens."""
+    ratios = [max(c) * len(c) / sum(c) for c in (routing or {}).values() if sum(c) > 0]
+    return max(ratios) if ratios else None
 
 
 def model_states(rec) -> dict[str, int]:

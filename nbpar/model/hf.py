@@ -1,9 +1,9 @@
 """Hugging Face transformers families, built from a config with random weights.
 
-``"hf:gpt2"`` and ``"hf:llama"`` build the family's ``*ForCausalLM`` from its config
-class (``model_config`` overrides small defaults; nothing is downloaded), then keep
-its parts as a flat module like TinyGPT: ``embed`` (+ ``pos`` for GPT-2), ``layers``
-(a ModuleDict "0".."L-1"), ``norm`` and ``head``. nbpar runs them itself, so a pipeline
+``"hf:gpt2"``, ``"hf:llama"`` and ``"hf:mixtral"`` build the family's ``*ForCausalLM``
+from its config class (``model_config`` overrides small defaults; nothing is downloaded),
+then keep its parts as a flat module like TinyGPT: ``embed`` (+ ``pos`` for GPT-2),
+``layers`` (a ModuleDict "0".."L-1"), ``norm`` and ``head``. nbpar runs them itself, so a pipeline
 stage is the same module with parts set to None, and the parallel plan is declared
 once here: Llama's tensor-parallel plan is transformers' own ``base_model_tp_plan``.
 GPT-2 has none in transformers: its ``c_attn`` computes q, k and v side by side in one
@@ -15,6 +15,16 @@ Megatron split applies by heads: q, k, v and ``mlp.c_fc`` column-wise, ``attn.c_
 ``mlp.c_proj`` row-wise, and `LocalHeads` tells the attention where its local q, k and v
 meet. The parameters keep their values; their names change (``attn.c_attn.q.weight``...,
 each Linear's weight the transpose of the Conv1D's columns).
+
+Mixtral (Jiang et al. 2024) is the mixture-of-experts family: transformers 5 stores each
+layer's experts as two 3-D tensors, expert first (``gate_up_proj`` (E, 2f, d),
+``down_proj`` (E, d, f)), called as ``experts(hidden, top_k_index, top_k_weights)``, so
+expert parallelism shares them out as it does tiny_moe's (`ModelPlan.experts`); its
+tensor-parallel plan (transformers' own) splits the attention only. nbpar runs its
+experts with transformers' eager loop and leaves out its router's auxiliary loss
+(``output_router_logits`` stays False): that loss is a statistic of the whole batch, which
+data-parallel ranks would each compute over their share only; the loss is the
+cross entropy alone, on every strategy alike. Each router counts the tokens it routes.
 """
 
 from __future__ import annotations
@@ -47,6 +57,19 @@ FAMILIES = {
         "num_key_value_heads": 2,
         "tie_word_embeddings": False,
     },
+    "mixtral": {
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "max_position_embeddings": 2048,
+        "router_jitter_noise": 0.0,
+        "tie_word_embeddings": False,
+    },
 }
 #: Llama 3 70B's published shape (70.6B parameters): a ``model_config`` for "hf:llama" to
 #: simulate at full size (`nbpar.simulate`; random weights, nothing downloaded)
@@ -68,6 +91,13 @@ SHAPE_KEYS = {
         "num_key_value_heads",
         "max_position_embeddings",
     ),
+}
+SHAPE_KEYS["mixtral"] = SHAPE_KEYS["llama"]
+#: the transformers classes of each family: (config, causal LM)
+CLASSES = {
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
 }
 TP_STYLES = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel"}
 #: the name under which transformers' attention registry finds `context_attention_forward`
@@ -166,7 +196,7 @@ def hf_config(model: str, model_config: dict | None):
             f"model={model!r} needs the transformers package: pip install 'nbpar[hf]'"
         ) from None
     name = family(model)
-    cls = {"gpt2": transformers.GPT2Config, "llama": transformers.LlamaConfig}[name]
+    cls = getattr(transformers, CLASSES[name][0])
     values = {**FAMILIES[name], **(model_config or {})}
     try:
         config = cls(**values)
@@ -179,6 +209,8 @@ def hf_config(model: str, model_config: dict | None):
             f"model_config key(s) {', '.join(unknown)} are not fields of {cls.__name__}"
         )
     config._attn_implementation = "sdpa"  # causal without a mask
+    if name == "mixtral":
+        config._experts_implementation = "eager"  # its reference loop over the experts
     return config
 
 
@@ -194,6 +226,7 @@ def shape(model: str, model_config: dict | None) -> dict:
         "heads": heads,
         "kv_heads": kv,
         "positions": values.get(keys[3], 1024 if name == "gpt2" else 2048),
+        "experts": values.get("num_local_experts"),
     }
 
 
@@ -219,6 +252,11 @@ class HFCausalLM(nn.Module):
         if family_name == "gpt2":
             for layer in layers:
                 _gpt2_as_linear(layer)
+        if family_name == "mixtral":
+            from nbpar.model.moe import count_router_output
+
+            for layer in layers:
+                layer.mlp.gate.register_forward_hook(count_router_output)
         self.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(layers)})
         self.head = lm.lm_head
         self.checkpointing = False
@@ -258,7 +296,7 @@ class HFCausalLM(nn.Module):
             and self.embed.weight is self.head.weight
         )
         first = ("embed", "pos")
-        if self.family == "llama":
+        if self.family in ("llama", "mixtral"):
             from torch.distributed.tensor import parallel
 
             plan = {
@@ -269,8 +307,9 @@ class HFCausalLM(nn.Module):
             widths = {
                 "number of attention heads": c.num_attention_heads,
                 "number of key/value heads": c.num_key_value_heads,
-                "MLP width": c.intermediate_size,
             }
+            if self.family == "llama":
+                widths["MLP width"] = c.intermediate_size
             return ModelPlan(
                 layers=self.layers,
                 tp=plan,
@@ -280,6 +319,7 @@ class HFCausalLM(nn.Module):
                 no_pipeline="its embeddings are tied to the head (set tie_word_embeddings=False)"
                 if tied
                 else None,
+                experts="mlp.experts" if self.family == "mixtral" else None,
             )
         c = self.config
         return ModelPlan(
@@ -306,5 +346,4 @@ def build_hf_model(model: str, model_config: dict | None, seq_len: int) -> HFCau
     if seq_len > positions:
         raise ValueError(f"seq_len={seq_len} exceeds {model}'s {positions} positions")
     name = family(model)
-    cls = {"gpt2": transformers.GPT2LMHeadModel, "llama": transformers.LlamaForCausalLM}[name]
-    return HFCausalLM(name, cls(config))
+    return HFCausalLM(name, getattr(transformers, CLASSES[name][1])(config))

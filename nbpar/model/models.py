@@ -98,12 +98,13 @@ class Block(nn.Module):
 class TinyGPT(nn.Module):
     """Decoder-only transformer over byte tokens; any part may be None (a stage)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, block=Block):
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        # ``block(cfg)`` makes one block (tiny_moe's has experts for a feed-forward)
+        self.layers = nn.ModuleDict({str(i): block(cfg) for i in range(cfg.n_layers)})
         self.norm = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.checkpointing = False  # activation checkpointing per block
@@ -136,19 +137,61 @@ class TinyGPT(nn.Module):
             block.attn.context = attend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tok_emb is not None:
-            # token ids (b, s) -> hidden (b, s, d)
-            h = self.tok_emb(x)
-            if self.pos_emb is not None:
-                h = h + self.pos_emb(token_positions(self.positions, x.shape[1], x.device))
-        else:
-            h = x  # hidden states (b, s, d) from the previous pipeline stage
-        h = run_layers(self.layers, h, self.checkpointing)
+        h = run_layers(self.layers, self.embed(x), self.checkpointing)
+        return self.finish(h)
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (b, s) -> hidden (b, s, d); a later pipeline stage's hidden states
+        pass through. Positions are the tokens' own (`token_positions`: global ones where
+        context parallelism gave this rank a share of each sequence)."""
+        if self.tok_emb is None:
+            return x
+        h = self.tok_emb(x)
+        if self.pos_emb is not None:
+            h = h + self.pos_emb(token_positions(self.positions, x.shape[1], x.device))
+        return h
+
+    def finish(self, h: torch.Tensor) -> torch.Tensor:
+        """The final norm and the head where this stage has them: (b, s, d) -> logits."""
         if self.norm is not None:
             h = self.norm(h)
         if self.head is not None:
             h = self.head(h)  # (b, s, d) @ (d, vocab) -> logits
         return h
+
+
+class TinyMoE(TinyGPT):
+    """TinyGPT whose blocks' feed-forwards are mixtures of experts (`nbpar.model.moe`):
+    returns (logits, balance loss per sequence (b,)); a pipeline stage takes and returns
+    (hidden, balance loss so far), so the loss reaches the last stage whole."""
+
+    def __init__(self, cfg, moe):
+        from nbpar.model.moe import MoEFeedForward
+
+        def block(c):
+            b = Block(c)
+            b.ffn = MoEFeedForward(c, moe)
+            return b
+
+        super().__init__(cfg, block=block)
+
+    def parallel_plan(self):
+        """TinyGPT's, less the feed-forward split: each expert stays whole on every
+        tensor-parallel rank; expert parallelism shares out ``ffn.experts``."""
+        plan = super().parallel_plan()
+        plan.tp = {k: v for k, v in plan.tp.items() if not k.startswith("ffn.")}
+        plan.tp_widths.pop("feed-forward width")
+        plan.experts = "ffn.experts"
+        return plan
+
+    def forward(self, x: torch.Tensor, aux: torch.Tensor | None = None):
+        if isinstance(x, tuple):  # DeepSpeed's pipeline hands a stage its inputs as one
+            x, aux = x
+        out = super().forward(x)  # logits, or hidden states on a stage without the head
+        total = aux if aux is not None else out.new_zeros(out.shape[0], dtype=torch.float32)
+        for block in self.layers.values():
+            total = total + block.ffn.aux  # (b,)
+        return out, total
 
 
 def gpt_block_plan() -> dict:
@@ -189,6 +232,8 @@ def build_model(cfg) -> nn.Module:
             model = SimpleCNN(num_classes=10)
         elif cfg.model == "tiny_gpt":
             model = TinyGPT(cfg.gpt)
+        elif cfg.model == "tiny_moe":
+            model = TinyMoE(cfg.gpt, cfg.moe)
         elif kind == "hf":
             from nbpar.model.hf import build_hf_model
 
@@ -249,6 +294,10 @@ def loss_fn(cfg_or_model):
         return registry.resolve_callable(loss, "loss")
     if model == "simple_cnn":
         return classification_loss
+    if model == "tiny_moe":
+        from nbpar.model.moe import moe_loss
+
+        return moe_loss
     if model == "tiny_gpt" or kind == "hf":
         return next_token_loss
     raise ValueError(

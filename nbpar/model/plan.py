@@ -38,6 +38,10 @@ class ModelPlan:
     """why this model cannot be cut into stages (e.g. tied embeddings), or None"""
     no_tp: str | None = None
     """why this model has no tensor-parallel plan, or None"""
+    experts: str | None = None
+    """block-relative path of a mixture-of-experts block's experts module (called as
+    transformers calls its experts: hidden, top-k ids, top-k weights), which expert
+    parallelism shares out; None = no experts"""
 
 
 def plan_of(model: nn.Module) -> ModelPlan | None:
@@ -47,7 +51,8 @@ def plan_of(model: nn.Module) -> ModelPlan | None:
 
 
 def require(model: nn.Module, what: str) -> ModelPlan:
-    """The plan ``what`` ("tensor" or "pipeline") needs, or a one-line ValueError."""
+    """The plan ``what`` ("tensor", "pipeline" or "expert") needs, or a one-line
+    ValueError."""
     plan = plan_of(model)
     name = type(model).__name__
     if plan is None:
@@ -59,6 +64,11 @@ def require(model: nn.Module, what: str) -> ModelPlan:
         raise ValueError(
             f"tensor parallelism needs a tensor-parallel plan: {name} "
             f"{plan.no_tp or 'declares none (ModelPlan.tp)'}"
+        )
+    if what == "expert" and plan.experts is None:
+        raise ValueError(
+            f"expert parallelism needs a mixture-of-experts model: {name}'s plan names "
+            f"no experts module (ModelPlan.experts)"
         )
     if what == "pipeline" and plan.no_pipeline:
         raise ValueError(f"pipeline parallelism cannot cut {name}: {plan.no_pipeline}")

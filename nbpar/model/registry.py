@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from nbpar.checks import about
 from nbpar.errors import ConfigError
 
-BUILTIN = ("simple_cnn", "tiny_gpt")
+BUILTIN = ("simple_cnn", "tiny_gpt", "tiny_moe")
 #: mixture-of-experts models whose names do not say "moe" (expert parallelism splits them)
-MOE_MODELS: tuple[str, ...] = ()
+MOE_MODELS: tuple[str, ...] = ("hf:mixtral",)
 
 
 @dataclass(frozen=True)
@@ -237,7 +237,7 @@ def check_model_fields(cfg, builtin_datasets: dict) -> None:
 def known_shape(cfg) -> tuple[int | None, str | None]:
     """(number of blocks, the config field it comes from) when the config alone says it:
     tiny_gpt's gpt.n_layers, an hf family's layer count; (None, None) for factories."""
-    if cfg.model == "tiny_gpt":
+    if cfg.model in ("tiny_gpt", "tiny_moe"):
         return cfg.gpt.n_layers, None
     if isinstance(cfg.model, str) and cfg.model.startswith("hf:"):
         from nbpar.model.hf import SHAPE_KEYS, family, shape
@@ -251,4 +251,10 @@ def known_shape(cfg) -> tuple[int | None, str | None]:
 def expert_count(cfg) -> int | None:
     """How many experts each MoE layer of ``cfg``'s model has, when the config alone
     says it (None otherwise)."""
+    if cfg.model == "tiny_moe":
+        return cfg.moe.n_experts
+    if cfg.model in MOE_MODELS:
+        from nbpar.model.hf import shape
+
+        return shape(cfg.model, cfg.model_config).get("experts")
     return None

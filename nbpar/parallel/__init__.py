@@ -52,6 +52,8 @@ DISPATCH = {
     ("hybrid", None, None): "hybrid",
     ("cp", "torch", None): "cp",
     ("cp", "deepspeed", None): "ds_cp",
+    ("ep", "torch", None): "expert",
+    ("ep", "deepspeed", None): "ds_expert",
 }
 
 

@@ -138,6 +138,12 @@ def _tensors(obj):
             yield from _tensors(v)
 
 
+def _as_float(out):
+    """A model's output in fp32: a tensor, or each of a tuple's (tiny_moe's logits and
+    balance loss)."""
+    return tuple(t.float() for t in out) if isinstance(out, tuple) else out.float()
+
+
 class DeepSpeedRunner(StepRunner):
     """Drives a DeepSpeedEngine: forward, ``engine.backward`` (which divides by the
     accumulation steps and applies the fp16 loss scale), ``engine.step`` (which
@@ -171,7 +177,7 @@ class DeepSpeedRunner(StepRunner):
         for i, (x, y) in enumerate(micro_batches):
             if x.is_floating_point():
                 x = x.to(self.dtype)
-            loss = self.loss_fn(self.engine(x).float(), y)
+            loss = self.loss_fn(_as_float(self.engine(x)), y)
             self.engine.backward(loss * self.loss_share if self.loss_share != 1.0 else loss)
             if i == len(micro_batches) - 1:  # DeepSpeed frees its gradients inside step()
                 self._boundary_grad_bytes = self._grad_bytes()

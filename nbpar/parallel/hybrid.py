@@ -10,7 +10,9 @@ gradients are averaged with one all-reduce over dp after the pipeline step
 (DDP's math); True/False -> FSDP2 on each stage module (ZeRO-3 / ZeRO-2), whose
 gradient sync the pipeline stage defers to the last micro-batch. With cp > 1 every stage
 attends over a sequence split across ``mesh["cp"]`` (`nbpar.parallel.cp`), and "data
-parallel" means every dp x cp rank ("dp_cp"), as torchtitan's FSDP over dp_shard_cp.
+parallel" means every dp x cp rank ("dp_cp"), as torchtitan's FSDP over dp_shard_cp. An
+``ep`` degree shares out each stage's experts over ep of the dp ranks (`expert`), whose
+rule then averages the gradients.
 """
 
 from __future__ import annotations
@@ -32,8 +34,13 @@ from .runner import StepRunner
 class HybridRunner(pipeline.PipelineRunner):
     """A pipeline runner whose stages are also tensor and/or data parallel."""
 
+    #: expert parallelism's average (`expert.GradSync`), which replaces the one below
+    grad_sync = None
+
     def reduce_data_parallel_grads(self) -> None:
         """Average the local gradient shards over dp with one all-reduce."""
+        if self.grad_sync is not None:
+            return self.grad_sync(self.model)
         if self.dp_group is None:
             return
         grads = [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
@@ -81,6 +88,10 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> StepRunner:
         from . import cp as context
 
         return context.build_runner(model, cfg, mesh, loss_fn=loss_fn)
+    if pp == 1 and cfg.ep and cfg.ep > 1:  # experts over ep (x tp): expert's runner
+        from . import expert
+
+        return expert.build_runner(model, cfg, mesh, loss_fn=loss_fn)
     if pp == 1:
         from . import tensor
 
@@ -91,11 +102,15 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> StepRunner:
     data = data_mesh(mesh)  # every dp (x cp) rank: where the gradients are averaged
     seq_len = cfg.gpt.seq_len
 
+    experts = _expert_sync(cfg, mesh)
+
     def prepare(chunk: nn.Module) -> nn.Module:
         if tp > 1:
             apply_tp(chunk, mesh["tp"])
         if cp > 1:  # every stage attends over the split sequence, (b, s/cp, d) between
             apply_cp(chunk, mesh["cp"], cfg.attention, seq_len)
+        if experts is not None:
+            experts.apply(chunk)
         if data.size() > 1 and reshard is not None:
             _apply_fsdp(chunk, data, reshard)
         return chunk
@@ -104,7 +119,7 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> StepRunner:
     if cp > 1:
         positions = own_positions(mesh["cp"], cfg.attention, seq_len)
         runner_kwargs = dict(runner_cls=ContextHybridRunner, positions=positions, seq_len=seq_len)
-    return pipeline.build_runner(
+    runner = pipeline.build_runner(
         model,
         cfg,
         mesh,
@@ -113,3 +128,15 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> StepRunner:
         dp_group=data.get_group() if data.size() > 1 and reshard is None else None,
         **runner_kwargs,
     )
+    runner.grad_sync = experts.sync if experts is not None else None
+    return runner
+
+
+def _expert_sync(cfg, mesh):
+    """Where ep > 1: what shares out each stage's experts and averages the gradients
+    (`expert.ExpertSplit`); else None."""
+    if not cfg.ep or cfg.ep == 1:
+        return None
+    from . import expert
+
+    return expert.ExpertSplit(cfg, mesh)

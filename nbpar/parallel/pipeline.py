@@ -32,6 +32,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
 from nbpar.measure.clocks import HostClock, clock_for_device
+from nbpar.model.moe import routing_paused
 from nbpar.model.plan import require
 from nbpar.strategies import check_pipeline_schedule
 
@@ -101,8 +102,9 @@ class TimedStage(PipelineStage):
         """The first step infers each stage's input and output shapes and dtypes with a
         forward; it runs under the step's autocast too, or the inferred dtypes are fp32
         where the step's are bf16 (a GPU's autocast casts a stage's output; torch then
-        refuses the step: "dtype mismatch: expected torch.float32 actual torch.bfloat16")."""
-        with self._autocast():
+        refuses the step: "dtype mismatch: expected torch.float32 actual torch.bfloat16").
+        A mixture of experts counts no routing there: that forward trains nothing."""
+        with self._autocast(), routing_paused():
             return super()._prepare_forward_infra(*args, **kwargs)
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):

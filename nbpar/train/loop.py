@@ -34,10 +34,11 @@ from nbpar.measure.clocks import step_clock
 from nbpar.measure.comm import CommMeter, exchange_launches
 from nbpar.measure.memtrack import StepMemory
 from nbpar.measure.metrics import CommTimer, memory_snapshot, step_peak_bytes
-from nbpar.measure.records import MEMORY_PARTS, RankResult, StepRecord
+from nbpar.measure.records import MEMORY_PARTS, RankResult, StepRecord, routing_total
 from nbpar.measure.step_split import SETUP_STEPS, blocked_shares, share_summary
 from nbpar.model.data import build_loader
 from nbpar.model.models import build_model
+from nbpar.model.moe import take_routing
 from nbpar.parallel import build_runner
 from nbpar.train import checkpoint
 from nbpar.train.context import RankContext
@@ -229,6 +230,9 @@ def _step(cfg, runner, batches, ctx, timer: CommTimer, step: int, start: int, bl
         **memory_snapshot(ctx.backend),
         "time": time.time(),
     }
+    routing = take_routing(runner.model) if runner.model is not None else None
+    if routing is not None:  # a mixture of experts: tokens per expert per layer
+        record["tokens_per_expert"] = routing
     if comm is not None:  # this step ran slower: every op went through Python
         record.update(_metered_figures(comm, mem, record))
     record["peak_bytes"] = step_peak_bytes(record)
@@ -289,6 +293,7 @@ def _summary(history: list[StepRecord], runner, ctx: RankContext, comm) -> RankR
         "bubble_fraction_with_stalls": with_stalls() if callable(with_stalls) else None,
         # which step the bubbles and timeline are: step, typical, normal_steps, metered, stalls
         "bubble_step": timelines.about() if timelines is not None else None,
+        "tokens_per_expert": routing_total(history),
         "history": history,
     }
 

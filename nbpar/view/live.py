@@ -13,7 +13,13 @@ from __future__ import annotations
 
 from nbpar.estimate import format_bytes
 from nbpar.measure.machine import EXACT, SPREAD_LIMIT, SPREAD_MIN_STEPS, step_spread
-from nbpar.measure.records import memory_key, model_state_bytes, model_states
+from nbpar.measure.records import (
+    memory_key,
+    model_state_bytes,
+    model_states,
+    routing_imbalance,
+    routing_total,
+)
 from nbpar.measure.step_split import SETUP_STEPS, blocked_share, normal_step_times
 from nbpar.view.history import COMM_HEALTH, comm_split
 
@@ -38,6 +44,8 @@ TITLES = {
     "throughput": "throughput",
     "states": "model states per rank (params + grads + optimizer)",
     "process": "process memory per rank",
+    # a mixture of experts only
+    "routing": "routing imbalance per rank (busiest expert's tokens / mean expert's)",
 }
 
 
@@ -46,10 +54,15 @@ def rank_color(i: int) -> str:
 
 
 def waiting_spec() -> dict:
-    """Panels with titles and no series: the browser says "waiting for the first step"."""
+    """Panels with titles and no series: the browser says "waiting for the first step"
+    (a mixture of experts' routing panel comes with its first step)."""
     return {
         "waiting": WAITING,
-        "panels": [{"id": k, "title": t, "unit": "", "series": []} for k, t in TITLES.items()],
+        "panels": [
+            {"id": k, "title": t, "unit": "", "series": []}
+            for k, t in TITLES.items()
+            if k != "routing"
+        ],
     }
 
 
@@ -120,9 +133,15 @@ def build_spec(ranks: list[int], first: list[dict]) -> dict:
             "series": _rank_series(ranks),
         },
     ]
+    routing = any(r.get("tokens_per_expert") for r in first)
+    if routing:
+        panels.append(
+            {"id": "routing", "title": TITLES["routing"], "unit": "", "series": _rank_series(ranks)}
+        )
     return {
         "waiting": WAITING,
         "panels": panels,
+        "routing": routing,
         "local_loss": local,
         "throughput_key": "tokens_per_s" if tokens else "samples_per_s",
         "memory_key": memory_key(first[0]),
@@ -201,6 +220,8 @@ class LiveFeed:
             "states": [model_state_bytes(r) for r in recs],
             "process": [r.get(spec["memory_key"]) for r in recs],
         }
+        if spec["routing"]:
+            row["routing"] = [routing_imbalance(r.get("tokens_per_expert")) for r in recs]
         for panel, values in row.items():
             for col, value in zip(cols[panel], values):
                 col.append(value)
@@ -282,7 +303,7 @@ class LiveFeed:
             else "the loss averaged over ranks (every rank reports this same value)"
         )
         rate = self.latest[ranks[-1]].get(spec["throughput_key"])
-        return {
+        notes = {
             "loss": loss,
             "step": timing
             or "each rank's step; whether its timings can be trusted shows "
@@ -294,3 +315,20 @@ class LiveFeed:
             "process": "peak: "
             + " · ".join(f"rank {r} {format_bytes(self._peak[r])}" for r in ranks),
         }
+        if spec["routing"]:
+            notes["routing"] = routing_note([self.latest[r] for r in ranks])
+        return notes
+
+
+def routing_note(recs: list[dict]) -> str:
+    """The latest step's tokens per expert, all ranks' summed, in the most uneven layer
+    (what each expert computed), and what the panel's ratio means."""
+    total = routing_total(recs) or {}
+    if not total:
+        return "no routing recorded"
+    layer = max(total, key=lambda k: routing_imbalance({k: total[k]}) or 0.0)
+    counts = " ".join(str(c) for c in total[layer])
+    return (
+        f"latest step, all ranks' tokens per expert in layer {layer}: {counts}; "
+        f"the lines: 1 = even, {len(total[layer])} = every token to one expert"
+    )
