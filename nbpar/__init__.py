@@ -15,6 +15,7 @@ _LAZY = {
     "Pool": ("nbpar.pool.pool", "Pool"),
     "TrainConfig": ("nbpar.config", "TrainConfig"),
     "GPTConfig": ("nbpar.config", "GPTConfig"),
+    "MoEConfig": ("nbpar.config", "MoEConfig"),
     "ParallelDims": ("nbpar.dims", "ParallelDims"),
     "estimate_memory": ("nbpar.estimate", "estimate_memory"),
     "compare": ("nbpar.view.compare", "compare"),
