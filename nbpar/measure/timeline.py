@@ -265,7 +265,10 @@ def theory_title(events: list[dict], p: int, m: int) -> str:
         )
     v = max(1, len({e["stage"] for e in events}) // p)
     formula = "(p-1)/(m+p-1)" if v == 1 else f"(p-1)/({v}m+p-1)"
-    return f"theory {formula} = {theory_bubble(p, m, v):.2f}"
+    return (
+        f"the schedule alone {schedule_bubble(events, p):.2f}, "
+        f"theory {formula} = {theory_bubble(p, m, v):.2f}"
+    )
 
 
 class StepTimelines:

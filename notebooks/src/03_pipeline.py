@@ -123,7 +123,7 @@ assert len(typed) == len(pp_losses) == len(single_losses) == 10 and max(gaps) < 
 # %% [markdown]
 # ## Three schedules on the same model
 #
-# A 4-layer TinyGPT (width 128, 64 tokens) on 2 stages (layers 0-1 on rank 0, 2-3 on
+# A 4-layer TinyGPT (width 256, 128 tokens) on 2 stages (layers 0-1 on rank 0, 2-3 on
 # rank 1; interleaved: rank 0 holds chunks {0, 2}, rank 1 chunks {1, 3}), 8
 # micro-batches of 4 sequences per step. `run_training` is nbpar's training loop, callable from your own `%%dist`
 # code; `on_finish` gets the trained runner, whose `timeline()` holds every forward (F)
@@ -134,7 +134,7 @@ assert len(typed) == len(pp_losses) == len(single_losses) == 10 and max(gaps) < 
 from nbpar.config import GPTConfig, TrainConfig
 from nbpar.train.loop import run_training
 
-gpt = GPTConfig(n_layers=4, d_model=128, seq_len=64)  # enough work per micro-batch
+gpt = GPTConfig(n_layers=4, d_model=256, seq_len=128)  # enough work per micro-batch
 timelines, losses = {}, {}
 for schedule in ("gpipe", "1f1b", "interleaved"):
     cfg = TrainConfig(model="tiny_gpt", strategy="pipeline", schedule=schedule,
@@ -170,7 +170,10 @@ for schedule, values in losses.items():
 # step: of the run's normal steps (the first two carry one-off set-up, and the metered
 # one runs every op through Python), the one whose length is closest to their median.
 # Boxes are pure compute (each starts after its inputs arrived), so the white space is
-# the bubble plus the sends between stages. A box over 3x the median of its stage's
+# the bubble plus the sends between stages. Each title gives the measured bubble, the
+# bubble the schedule alone leaves with these boxes (the boxes replayed in the
+# schedule's order with no time between them) and the formula; interleaving sends twice
+# as often, so on a laptop its measured bubble sits furthest above its schedule's. A box over 3x the median of its stage's
 # boxes of its kind is a stall (another process took the core), not the schedule: it is
 # hatched red, left out of the measured bubble in the title, and that bubble is given
 # with it too.
@@ -223,7 +226,7 @@ measured, forced = [], []
 for m in ms:
     run = pool.train(nbpar.TrainConfig(model="tiny_gpt", strategy="pipeline", schedule="gpipe",
                                        micro_batch=4, grad_accum=m, steps=8, seed=0,
-                                       gpt=nbpar.GPTConfig(n_layers=4, d_model=128, seq_len=64)))
+                                       gpt=nbpar.GPTConfig(n_layers=4, d_model=256, seq_len=64)))
     res = run.result()
     measured.append(res["bubble_fraction"])
     forced.append(res["schedule_bubble_fraction"])
