@@ -134,6 +134,39 @@ def gpt2_block_plan() -> dict:
     }
 
 
+def llama_block_plan(tp_plan: dict, sequence_parallel: bool = False) -> dict:
+    """A LlamaDecoderLayer's split: transformers' ``base_model_tp_plan`` (q, k, v, gate and
+    up column-wise, o and down row-wise). With ``sequence_parallel`` the layer's input
+    and output hold the tp rank's s/tp tokens (Korthikanti et al. 2022): the RMSNorms run
+    on them, the attention and the MLP all-gather their normed input (the attention takes
+    it as the keyword ``hidden_states``) and o and down reduce-scatter their output, as
+    torchtitan's ``apply_tp`` splits Llama."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import parallel as styles
+
+    row = {"output_layouts": Shard(1)} if sequence_parallel else {}
+    plan = {
+        k.removeprefix("layers.*."): getattr(styles, TP_STYLES[v])(
+            **(row if v == "rowwise" else {})
+        )
+        for k, v in tp_plan.items()
+    }
+    if sequence_parallel:
+        sp = styles.SequenceParallel()
+        plan.update(
+            input_layernorm=sp,
+            post_attention_layernorm=sp,
+            self_attn=styles.PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": Shard(1)},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            ),
+            mlp=styles.PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            ),
+        )
+    return plan
+
+
 def family(model: str) -> str:
     name = model.removeprefix("hf:")
     if name not in FAMILIES:
@@ -208,11 +241,15 @@ class HFCausalLM(nn.Module):
                 _gpt2_as_linear(layer)
         self.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(layers)})
         self.head = lm.lm_head
-        self.checkpointing = False
+        self.checkpointing = False  # activation checkpointing: False, "full", "selective"
+        # the tp ranks sequence parallelism splits the hidden states between blocks over:
+        # a later pipeline stage receives s / sequence_shards tokens of each sequence
+        self.sequence_shards = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x) if self.embed is not None else x  # ids (b, s) -> (b, s, d)
-        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)  # (1, s)
+        s = h.shape[1] if self.embed is not None else h.shape[1] * self.sequence_shards
+        positions = torch.arange(s, device=h.device).unsqueeze(0)  # (1, s)
         if self.pos is not None:
             h = h + self.pos(positions)
         kwargs = {}
@@ -231,12 +268,6 @@ class HFCausalLM(nn.Module):
         )
         first = ("embed", "pos")
         if self.family == "llama":
-            from torch.distributed.tensor import parallel
-
-            plan = {
-                k.removeprefix("layers.*."): getattr(parallel, TP_STYLES[v])()
-                for k, v in self.config.base_model_tp_plan.items()
-            }
             c = self.config
             widths = {
                 "number of attention heads": c.num_attention_heads,
@@ -245,13 +276,16 @@ class HFCausalLM(nn.Module):
             }
             return ModelPlan(
                 layers=self.layers,
-                tp=plan,
+                tp=llama_block_plan(c.base_model_tp_plan),
                 tp_widths=widths,
                 first=first,
                 last=("norm", "head"),
                 no_pipeline="its embeddings are tied to the head (set tie_word_embeddings=False)"
                 if tied
                 else None,
+                sp=llama_block_plan(c.base_model_tp_plan, sequence_parallel=True),
+                head="head",
+                norm="norm",
             )
         c = self.config
         return ModelPlan(
@@ -266,6 +300,7 @@ class HFCausalLM(nn.Module):
             no_pipeline="its embeddings are tied to the head (set tie_word_embeddings=False)"
             if tied
             else None,
+            head="head",
         )
 
 

@@ -6,7 +6,10 @@ A model that defines ``parallel_plan() -> ModelPlan`` tells the strategies
   DTensor ``ColwiseParallel``/``RowwiseParallel`` styles keyed by submodule path) and
   which widths the tp degree must divide,
 - which parts only the first and the last pipeline stage keep (GPipe, Huang et al.
-  2019: embeddings in front, norm and head at the back).
+  2019: embeddings in front, norm and head at the back),
+- how a block splits with sequence parallelism (Korthikanti et al. 2022, "Reducing
+  Activation Recomputation in Large Transformer Models"), and which output layer tensor
+  parallelism splits by columns.
 
 Data parallelism needs no plan. Without one, tensor and pipeline parallelism are
 refused with `require`'s message naming what is missing.
@@ -16,7 +19,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from nbpar.checks import checkpointing_kind
 
 
 @dataclass
@@ -37,6 +45,14 @@ class ModelPlan:
     """why this model cannot be cut into stages (e.g. tied embeddings), or None"""
     no_tp: str | None = None
     """why this model has no tensor-parallel plan, or None"""
+    sp: dict | None = None
+    """the block split with sequence parallelism (norms on s/tp tokens, each sub-layer's
+    input all-gathered, its output reduce-scattered); None = no sequence parallelism"""
+    head: str | None = None
+    """the output layer tensor parallelism splits by columns, its logits gathered
+    (transformers' ``colwise_gather_output``); None = kept whole"""
+    norm: str | None = None
+    """the final norm, which sequence parallelism runs on s/tp tokens"""
 
 
 def plan_of(model: nn.Module) -> ModelPlan | None:
@@ -76,9 +92,21 @@ def check_tp_degree(model: nn.Module, tp: int) -> None:
             )
 
 
+def split_head(model: nn.Module, plan: ModelPlan):
+    """The output layer tensor parallelism splits by columns, or None: absent on this
+    stage, not declared, or tied to the embeddings (splitting it would split them too)."""
+    head = getattr(model, plan.head, None) if plan.head else None
+    if head is None:
+        return None
+    weight = getattr(head, "weight", None)
+    tied = any(m.weight is weight for m in model.modules() if isinstance(m, nn.Embedding))
+    return None if tied else head
+
+
 def tp_replicated_parameters(model: nn.Module) -> int:
     """Parameters tensor parallelism leaves whole on every rank: all but the weights its
-    plan splits (a colwise Linear's weight and bias, a rowwise Linear's weight)."""
+    plan splits (a colwise Linear's weight and bias, a rowwise Linear's weight, the
+    output layer's weight and bias)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     plan = require(model, "tensor")
@@ -91,20 +119,44 @@ def tp_replicated_parameters(model: nn.Module) -> int:
             split += module.weight.numel()
             if isinstance(style, ColwiseParallel) and getattr(module, "bias", None) is not None:
                 split += module.bias.numel()
+    head = split_head(model, plan)
+    if head is not None:
+        split += sum(p.numel() for p in head.parameters())
     return sum(p.numel() for p in model.parameters()) - split
 
 
-def run_layers(layers: nn.ModuleDict, h, checkpointing: bool = False, **kwargs):
-    """Run ``layers`` in key order; with ``checkpointing`` each block's activations are
-    recomputed in backward instead of kept (Chen et al. 2016, non-reentrant)."""
+def run_layers(layers: nn.ModuleDict, h, checkpointing=False, **kwargs):
+    """Run ``layers`` in key order. ``checkpointing`` (see `checkpointing_kind`): "full"
+    recomputes each block's activations in backward instead of keeping them (Chen et al.
+    2016, non-reentrant), keeping only its input; "selective" keeps every linear layer's
+    output and recomputes only the attention core, softmax(q k^T) v, whose s x s scores
+    are the bulk of a block's activations at long sequences (Korthikanti et al. 2022)."""
     from torch.utils.checkpoint import checkpoint
 
+    kind = checkpointing_kind(checkpointing)
     for key in sorted(layers.keys(), key=int):
         layer = layers[key]
-        if checkpointing and h.requires_grad:
+        if kind == "full" and h.requires_grad:
             h = checkpoint(layer, h, use_reentrant=False, **kwargs)
+        elif kind == "selective" and h.requires_grad:
+            with RecomputedAttention():
+                h = layer(h, **kwargs)
         else:
             h = layer(h, **kwargs)
         if isinstance(h, tuple):  # some decoder layers return (hidden, ...)
             h = h[0]
     return h
+
+
+class RecomputedAttention(TorchFunctionMode):
+    """Runs every ``scaled_dot_product_attention`` inside a checkpoint: its inputs q, k
+    and v are kept, what the attention saves itself is dropped and computed again in
+    backward (selective recomputation, Korthikanti et al. 2022)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(func, *args, use_reentrant=False, **kwargs)
+        return func(*args, **kwargs)

@@ -78,7 +78,7 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> StepRunner:
 
     def prepare(chunk: nn.Module) -> nn.Module:
         if tp > 1:
-            apply_tp(chunk, mesh["tp"])
+            apply_tp(chunk, mesh["tp"], cfg.sequence_parallel)
         if dp > 1 and reshard is not None:
             _apply_fsdp(chunk, dp_mesh, reshard)
         return chunk

@@ -4,9 +4,21 @@ that declares a tensor-parallel plan (`nbpar.model.plan`): TinyGPT, hf:llama.
 Each Block's attention and feed-forward are split across the ranks of the
 "tp" mesh dimension: the first linear(s) column-wise (Megatron's ``f``: copy the
 input in, all-reduce its gradient out), the second row-wise (Megatron's ``g``:
-all-reduce the output in forward). Attention is split by heads. Embeddings,
-norms and the head stay replicated; their gradients are identical on every tp
+all-reduce the output in forward). Attention is split by heads. The output layer is
+split by columns and its logits all-gathered (transformers' ``colwise_gather_output``
+for Llama's ``lm_head``): every loss function then takes whole logits, and a pipeline
+stage's output stays a plain tensor; torchtitan instead keeps the logits split by
+vocabulary and computes the loss under ``loss_parallel``, saving the (b, s, vocab)
+gather. Embeddings and norms stay replicated; their gradients are identical on every tp
 rank because everything upstream of them is replicated.
+
+Sequence parallelism (Korthikanti et al. 2022) splits what TP leaves replicated along
+the sequence: between sub-layers each rank holds its s/tp tokens, the norms (and
+dropout) run on them, and each TP all-reduce becomes a reduce-scatter out of the
+row-wise layer and an all-gather into the next column-wise ones, which move the same
+bytes (DTensor's ``SequenceParallel`` and the ``Shard(1)`` layouts, as torchtitan's
+``apply_tp``). The first stage's first block takes its s/tp tokens of the embeddings;
+the last stage's final norm runs on them and the head all-gathers its input.
 """
 
 from __future__ import annotations
@@ -18,7 +30,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from nbpar.measure.holdings import local_tensor
 from nbpar.model.models import gpt_block_plan
-from nbpar.model.plan import check_tp_degree, require
+from nbpar.model.plan import check_tp_degree, require, split_head
 from nbpar.strategies import reshard_after_forward
 
 from .runner import StepRunner
@@ -33,7 +45,7 @@ def check_tp(model: nn.Module, tp: int) -> None:
     check_tp_degree(model, tp)
 
 
-def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
+def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> nn.Module:
     """Split every Block of ``model`` across the 1-D ``tp_mesh`` in place; return it.
 
     Shapes per rank (b batch, s sequence, d model width, f ffn width, tp ranks):
@@ -41,16 +53,62 @@ def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
       wo          Rowwise: (b, s, d/tp) @ (d/tp, d) -> partial (b, s, d), all-reduced
       w1          Colwise: (b, s, d) @ (d, f/tp) -> (b, s, f/tp)
       w2          Rowwise: (b, s, f/tp) @ (f/tp, d) -> partial (b, s, d), all-reduced
+      head        Colwise: (b, s, d) @ (d, vocab/tp) -> (b, s, vocab/tp), all-gathered
     Outputs are plain local tensors (use_local_output), so Attention's
     ``view(b, s, -1, head_dim)`` sees its local heads and the module code is unchanged.
+    With ``sequence_parallel`` the blocks take and give (b, s/tp, d): wo and w2
+    reduce-scatter to it, the norms run on it, the sub-layers all-gather it back.
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tp needs a 1-D tp mesh, got {tp_mesh.ndim} dims; pass mesh['tp']")
     check_tp(model, tp_mesh.size())
     plan = require(model, "tensor")
+    if sequence_parallel and plan.sp is None:
+        raise ValueError(
+            f"sequence parallelism needs a model that declares its sequence-parallel "
+            f"split: {type(model).__name__} has none (ModelPlan.sp)"
+        )
     for block in plan.layers.values():
-        parallelize_module(block, tp_mesh, plan.tp)
+        parallelize_module(block, tp_mesh, plan.sp if sequence_parallel else plan.tp)
+    ends = _end_styles(model, plan, sequence_parallel)
+    if ends:
+        parallelize_module(model, tp_mesh, ends)
+    if sequence_parallel and plan.layers and _holds_first_parts(model, plan):
+        first = plan.layers[min(plan.layers.keys(), key=int)]
+        # (b, s, d) of the embeddings -> this rank's (b, s/tp, d); backward all-gathers
+        parallelize_module(first, tp_mesh, _sequence_shard())
+    if hasattr(model, "sequence_shards"):  # a later stage receives s/tp tokens
+        model.sequence_shards = tp_mesh.size() if sequence_parallel else 1
     return model
+
+
+def _end_styles(model: nn.Module, plan, sequence_parallel: bool) -> dict:
+    """The styles of the parts around the blocks that this module holds: the output
+    layer by columns (logits gathered), the final norm on s/tp tokens under SP."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
+
+    styles = {}
+    if sequence_parallel and plan.norm and getattr(model, plan.norm, None) is not None:
+        styles[plan.norm] = SequenceParallel()
+    if split_head(model, plan) is not None:
+        into = Shard(1) if sequence_parallel else Replicate()
+        styles[plan.head] = ColwiseParallel(input_layouts=into, output_layouts=Replicate())
+    return styles
+
+
+def _holds_first_parts(model: nn.Module, plan) -> bool:
+    """Whether this module is the model's first pipeline stage (it has its embeddings)."""
+    return any(getattr(model, name, None) is not None for name in plan.first)
+
+
+def _sequence_shard():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    return PrepareModuleInput(
+        input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
+    )
 
 
 block_plan = gpt_block_plan  # TinyGPT's Block split
@@ -133,7 +191,7 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> StepRunner:
 
         loss_fn = model_loss(cfg)
     device_type = model_device_type(model)
-    apply_tp(model, mesh["tp"])
+    apply_tp(model, mesh["tp"], cfg.sequence_parallel)
     dp_mesh = mesh["dp"]
     dp_group, fsdp = None, False
     if dp_mesh.size() > 1:

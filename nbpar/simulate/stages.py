@@ -116,7 +116,7 @@ def build_stage_runner(model: nn.Module, cfg, mesh, rank: int) -> StageStep:
     stage = mesh["pp"].get_local_rank()
     (chunk,) = split_stages(model, stage, pp)
     if tp > 1:
-        apply_tp(chunk, mesh["tp"])
+        apply_tp(chunk, mesh["tp"], cfg.sequence_parallel)
     reshard = reshard_after_forward(cfg.strategy, cfg.fsdp_reshard)
     if dp > 1 and reshard is not None:
         _apply_fsdp(chunk, mesh["dp"], reshard)
