@@ -242,13 +242,14 @@ class HFCausalLM(nn.Module):
         self.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(layers)})
         self.head = lm.lm_head
         self.checkpointing = False  # activation checkpointing: False, "full", "selective"
-        # the tp ranks sequence parallelism splits the hidden states between blocks over:
-        # a later pipeline stage receives s / sequence_shards tokens of each sequence
+        # the tp ranks sequence parallelism splits the hidden states over: the embeddings
+        # and the blocks give, and a later pipeline stage receives, s / sequence_shards
+        # tokens of each sequence
         self.sequence_shards = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x) if self.embed is not None else x  # ids (b, s) -> (b, s, d)
-        s = h.shape[1] if self.embed is not None else h.shape[1] * self.sequence_shards
+        s = h.shape[1] * self.sequence_shards  # the whole sequence's positions
         positions = torch.arange(s, device=h.device).unsqueeze(0)  # (1, s)
         if self.pos is not None:
             h = h + self.pos(positions)
@@ -286,6 +287,7 @@ class HFCausalLM(nn.Module):
                 sp=llama_block_plan(c.base_model_tp_plan, sequence_parallel=True),
                 head="head",
                 norm="norm",
+                sp_inputs={"embed": 1},
             )
         c = self.config
         return ModelPlan(

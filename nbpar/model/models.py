@@ -120,6 +120,7 @@ class TinyGPT(nn.Module):
             sp=gpt_block_plan(sequence_parallel=True),
             head="head",
             norm="norm",
+            sp_inputs={"tok_emb": 1, "pos_emb": 0},  # (b, s, d) + (s, d)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

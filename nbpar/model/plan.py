@@ -53,6 +53,9 @@ class ModelPlan:
     (transformers' ``colwise_gather_output``); None = kept whole"""
     norm: str | None = None
     """the final norm, which sequence parallelism runs on s/tp tokens"""
+    sp_inputs: dict[str, int] = field(default_factory=dict)
+    """the modules whose outputs make the first block's input, each with the dim of its
+    output that runs along the sequence: sequence parallelism keeps this rank's s/tp"""
 
 
 def plan_of(model: nn.Module) -> ModelPlan | None:

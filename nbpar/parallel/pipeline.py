@@ -52,12 +52,17 @@ def layer_ranges(n_layers: int, n_stages: int) -> list[range]:
     return ranges
 
 
-def split_stages(model: nn.Module, pp_rank: int, pp_size: int, virtual: int = 1) -> list[nn.Module]:
+def split_stages(
+    model: nn.Module, pp_rank: int, pp_size: int, virtual: int = 1, *, in_place: bool = False
+) -> list[nn.Module]:
     """The stage modules of ``pp_rank``: copies of ``model`` keeping only their part.
 
     The cut follows the model's declared plan (`nbpar.model.plan`): stage 0 keeps
     its ``first`` parts (embeddings), the last stage its ``last`` parts (norm, head);
-    parameter names stay those of the full model. ``model`` is not modified.
+    parameter names stay those of the full model. ``model`` is not modified, unless
+    ``in_place`` (one chunk only): then it is cut itself, as a simulated rank does with
+    the fake model it built for its stage (a copied fake tensor's views do not share its
+    storage, which a memory meter would count as new memory).
     """
     plan = require(model, "pipeline")
     n_layers = len(plan.layers)
@@ -76,8 +81,10 @@ def split_stages(model: nn.Module, pp_rank: int, pp_size: int, virtual: int = 1)
     keys = sorted(plan.layers.keys(), key=int)
     ranges = layer_ranges(n_layers, n_stages)
     chunks = []
+    if in_place and virtual != 1:
+        raise ValueError("split_stages(in_place=True) cuts one chunk; virtual must be 1")
     for s in stage_ids(pp_rank, pp_size, virtual):
-        chunk = copy.deepcopy(model)
+        chunk = model if in_place else copy.deepcopy(model)
         layers = plan_of(chunk).layers
         for i, key in enumerate(keys):
             if i not in ranges[s]:

@@ -17,7 +17,7 @@ the sequence: between sub-layers each rank holds its s/tp tokens, the norms (and
 dropout) run on them, and each TP all-reduce becomes a reduce-scatter out of the
 row-wise layer and an all-gather into the next column-wise ones, which move the same
 bytes (DTensor's ``SequenceParallel`` and the ``Shard(1)`` layouts, as torchtitan's
-``apply_tp``). The first stage's first block takes its s/tp tokens of the embeddings;
+``apply_tp``). The first stage keeps its s/tp tokens of the embeddings' output;
 the last stage's final norm runs on them and the head all-gathers its input.
 """
 
@@ -73,10 +73,10 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> nn.M
     ends = _end_styles(model, plan, sequence_parallel)
     if ends:
         parallelize_module(model, tp_mesh, ends)
-    if sequence_parallel and plan.layers and _holds_first_parts(model, plan):
-        first = plan.layers[min(plan.layers.keys(), key=int)]
-        # (b, s, d) of the embeddings -> this rank's (b, s/tp, d); backward all-gathers
-        parallelize_module(first, tp_mesh, _sequence_shard())
+    for path, dim in plan.sp_inputs.items() if sequence_parallel else ():
+        if getattr(model, path, None) is not None:  # the first stage's embeddings
+            # (b, s, d) -> this rank's (b, s/tp, d); backward all-gathers the gradient
+            parallelize_module(getattr(model, path), tp_mesh, _sequence_shard(dim))
     if hasattr(model, "sequence_shards"):  # a later stage receives s/tp tokens
         model.sequence_shards = tp_mesh.size() if sequence_parallel else 1
     return model
@@ -97,18 +97,23 @@ def _end_styles(model: nn.Module, plan, sequence_parallel: bool) -> dict:
     return styles
 
 
-def _holds_first_parts(model: nn.Module, plan) -> bool:
-    """Whether this module is the model's first pipeline stage (it has its embeddings)."""
-    return any(getattr(model, name, None) is not None for name in plan.first)
+def _sequence_shard(dim: int):
+    """A style for an embedding: its output, whole on every tp rank, becomes this rank's
+    s/tp of the sequence (along ``dim``) as a copy, before any block (and any checkpoint
+    of one) keeps it; backward all-gathers the gradient."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel.style import ParallelStyle
 
+    class SequenceShard(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            def shard(_, inputs, out):
+                whole = DTensor.from_local(out, device_mesh, (Replicate(),), run_check=False)
+                return whole.redistribute(placements=(Shard(dim),)).to_local().clone()
 
-def _sequence_shard():
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import PrepareModuleInput
+            module.register_forward_hook(shard)
+            return module
 
-    return PrepareModuleInput(
-        input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
-    )
+    return SequenceShard()
 
 
 block_plan = gpt_block_plan  # TinyGPT's Block split
