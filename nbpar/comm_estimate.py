@@ -32,7 +32,8 @@ def comm_bytes_per_step(
 
     ``param_bytes`` is the whole model's parameter bytes (Psi), ``activation_bytes``
     one micro-batch's hidden states (b * s * d * element size), ``logits_bytes`` its
-    logits (b * s * vocab * element size; tp with an output layer split by columns).
+    logits (b * s * vocab * element size): given, tp splits the embedding and the output
+    layer too, as nbpar's plans do.
     The paper's figures are 2 Psi for DDP and ZeRO-1/2 and 3 Psi for ZeRO-3 (times (n-1)/n); the
     implementations differ where said, as measured at the c10d layer
     (`nbpar.measure.comm`), with K micro-batches per step:
@@ -52,15 +53,16 @@ def comm_bytes_per_step(
       in forward and 2 in backward; DTensor reduces the input gradient of each
       column-parallel Linear apart (``column_linears`` a layer: Q, K, V and the MLP's
       first, 4, in tiny_gpt; 5 with Llama's gate and up): 6 per layer in tiny_gpt, per
-      micro-batch. The output layer, split by columns, all-gathers the logits and
-      all-reduces its input's gradient.
+      micro-batch. The embedding, split by vocabulary, all-reduces its lookups; the
+      output layer, split by columns, all-gathers the logits and all-reduces its
+      input's gradient.
     - tp with ``sequence_parallel`` (Korthikanti et al. 2022): each all-reduce becomes a
       reduce-scatter and an all-gather of the same tensor, which together move what it
       moved; the all-gathered input is shared by Q, K and V, so its gradient is
       reduce-scattered once: per layer 4 all-gathers and 4 reduce-scatters, Megatron's 4
-      all-reduces. The output layer all-gathers its input and the logits and
-      reduce-scatters its input's gradient; the first block's backward all-gathers the
-      embeddings' gradient.
+      all-reduces. The embedding reduce-scatters its lookups (all-gathers their gradient
+      in backward); the output layer all-gathers its input and the logits and
+      reduce-scatters its input's gradient.
     - pipeline: each boundary carries one activation forward and one gradient back per
       micro-batch; a first or last stage sends K tensors, a middle stage 2K.
     """
@@ -81,10 +83,10 @@ def comm_bytes_per_step(
         return times * ring
     if strategy == "tp":
         ring_a, ring_l = (tp - 1) / tp * activation_bytes, (tp - 1) / tp * logits_bytes
-        head = 1 if logits_bytes else 0  # an output layer split by columns
+        ends = 4 * ring_a + ring_l if logits_bytes else 0  # embedding and head split
         if sequence_parallel:
-            return k * (layers * 8 * ring_a + ring_a + head * (2 * ring_a + ring_l))
-        return k * (layers * (2 + column_linears) * 2 * ring_a + head * (2 * ring_a + ring_l))
+            return k * (layers * 8 * ring_a + ends)
+        return k * (layers * (2 + column_linears) * 2 * ring_a + ends)
     if strategy == "pipeline":
         middle = 0 < pp_stage < pp - 1
         return k * activation_bytes * (2 if middle else 1) if pp > 1 else 0.0

@@ -286,8 +286,8 @@ class HFCausalLM(nn.Module):
                 else None,
                 sp=llama_block_plan(c.base_model_tp_plan, sequence_parallel=True),
                 head="head",
+                embed="embed",
                 norm="norm",
-                sp_inputs={"embed": 1},
             )
         c = self.config
         return ModelPlan(
@@ -303,6 +303,7 @@ class HFCausalLM(nn.Module):
             if tied
             else None,
             head="head",
+            embed="embed",
         )
 
 

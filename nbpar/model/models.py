@@ -119,8 +119,9 @@ class TinyGPT(nn.Module):
             last=("norm", "head"),
             sp=gpt_block_plan(sequence_parallel=True),
             head="head",
+            embed="tok_emb",
             norm="norm",
-            sp_inputs={"tok_emb": 1, "pos_emb": 0},  # (b, s, d) + (s, d)
+            sp_inputs={"pos_emb": 0},  # (s, d), added to tok_emb's (b, s, d)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -51,6 +51,9 @@ class ModelPlan:
     head: str | None = None
     """the output layer tensor parallelism splits by columns, its logits gathered
     (transformers' ``colwise_gather_output``); None = kept whole"""
+    embed: str | None = None
+    """the token embedding tensor parallelism splits by vocabulary rows (Megatron's
+    VocabParallelEmbedding), its (b, s, d) output summed over the ranks; None = whole"""
     norm: str | None = None
     """the final norm, which sequence parallelism runs on s/tp tokens"""
     sp_inputs: dict[str, int] = field(default_factory=dict)
@@ -95,21 +98,21 @@ def check_tp_degree(model: nn.Module, tp: int) -> None:
             )
 
 
-def split_head(model: nn.Module, plan: ModelPlan):
-    """The output layer tensor parallelism splits by columns, or None: absent on this
-    stage, not declared, or tied to the embeddings (splitting it would split them too)."""
-    head = getattr(model, plan.head, None) if plan.head else None
-    if head is None:
-        return None
-    weight = getattr(head, "weight", None)
-    tied = any(m.weight is weight for m in model.modules() if isinstance(m, nn.Embedding))
-    return None if tied else head
+def split_ends(model: nn.Module, plan: ModelPlan) -> dict[str, nn.Module]:
+    """The embedding and the output layer tensor parallelism splits, by attribute name:
+    those this stage holds and the plan declares, unless they are tied (one weight:
+    splitting it by rows for one and by columns for the other cannot both hold)."""
+    ends = {name: getattr(model, name, None) for name in (plan.embed, plan.head) if name}
+    ends = {name: m for name, m in ends.items() if m is not None}
+    weights = [m.weight for m in model.modules() if isinstance(m, (nn.Embedding, nn.Linear))]
+    tied = {id(w) for w in weights if sum(x is w for x in weights) > 1}
+    return {name: m for name, m in ends.items() if id(m.weight) not in tied}
 
 
 def tp_replicated_parameters(model: nn.Module) -> int:
     """Parameters tensor parallelism leaves whole on every rank: all but the weights its
     plan splits (a colwise Linear's weight and bias, a rowwise Linear's weight, the
-    output layer's weight and bias)."""
+    embedding and the output layer)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     plan = require(model, "tensor")
@@ -122,9 +125,8 @@ def tp_replicated_parameters(model: nn.Module) -> int:
             split += module.weight.numel()
             if isinstance(style, ColwiseParallel) and getattr(module, "bias", None) is not None:
                 split += module.bias.numel()
-    head = split_head(model, plan)
-    if head is not None:
-        split += sum(p.numel() for p in head.parameters())
+    for end in split_ends(model, plan).values():
+        split += sum(p.numel() for p in end.parameters())
     return sum(p.numel() for p in model.parameters()) - split
 
 

@@ -4,20 +4,21 @@ that declares a tensor-parallel plan (`nbpar.model.plan`): TinyGPT, hf:llama.
 Each Block's attention and feed-forward are split across the ranks of the
 "tp" mesh dimension: the first linear(s) column-wise (Megatron's ``f``: copy the
 input in, all-reduce its gradient out), the second row-wise (Megatron's ``g``:
-all-reduce the output in forward). Attention is split by heads. The output layer is
-split by columns and its logits all-gathered (transformers' ``colwise_gather_output``
-for Llama's ``lm_head``): every loss function then takes whole logits, and a pipeline
-stage's output stays a plain tensor; torchtitan instead keeps the logits split by
-vocabulary and computes the loss under ``loss_parallel``, saving the (b, s, vocab)
-gather. Embeddings and norms stay replicated; their gradients are identical on every tp
-rank because everything upstream of them is replicated.
+all-reduce the output in forward). Attention is split by heads. The token embedding is
+split by vocabulary rows and the output layer by columns, its logits all-gathered
+(`nbpar.parallel.tensor_ends`): every loss function then takes whole logits, and a
+pipeline stage's output stays a plain tensor, as transformers' ``colwise_gather_output``
+for Llama's ``lm_head``; torchtitan instead keeps the logits split by vocabulary and
+computes the loss under ``loss_parallel``, saving the (b, s, vocab) gather. Position
+embeddings and norms stay replicated; their gradients are identical on every tp rank
+because everything upstream of them is replicated.
 
 Sequence parallelism (Korthikanti et al. 2022) splits what TP leaves replicated along
 the sequence: between sub-layers each rank holds its s/tp tokens, the norms (and
 dropout) run on them, and each TP all-reduce becomes a reduce-scatter out of the
 row-wise layer and an all-gather into the next column-wise ones, which move the same
 bytes (DTensor's ``SequenceParallel`` and the ``Shard(1)`` layouts, as torchtitan's
-``apply_tp``). The first stage keeps its s/tp tokens of the embeddings' output;
+``apply_tp``). The embedding reduce-scatters its lookups to this rank's s/tp tokens;
 the last stage's final norm runs on them and the head all-gathers its input.
 """
 
@@ -30,10 +31,11 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from nbpar.measure.holdings import local_tensor
 from nbpar.model.models import gpt_block_plan
-from nbpar.model.plan import check_tp_degree, require, split_head
+from nbpar.model.plan import check_tp_degree, require
 from nbpar.strategies import reshard_after_forward
 
 from .runner import StepRunner
+from .tensor_ends import apply_ends
 
 
 def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -53,6 +55,7 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> nn.M
       wo          Rowwise: (b, s, d/tp) @ (d/tp, d) -> partial (b, s, d), all-reduced
       w1          Colwise: (b, s, d) @ (d, f/tp) -> (b, s, f/tp)
       w2          Rowwise: (b, s, f/tp) @ (f/tp, d) -> partial (b, s, d), all-reduced
+      embedding   ids (b, s) -> partial (b, s, d) from vocab/tp rows, all-reduced
       head        Colwise: (b, s, d) @ (d, vocab/tp) -> (b, s, vocab/tp), all-gathered
     Outputs are plain local tensors (use_local_output), so Attention's
     ``view(b, s, -1, head_dim)`` sees its local heads and the module code is unchanged.
@@ -70,50 +73,10 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> nn.M
         )
     for block in plan.layers.values():
         parallelize_module(block, tp_mesh, plan.sp if sequence_parallel else plan.tp)
-    ends = _end_styles(model, plan, sequence_parallel)
-    if ends:
-        parallelize_module(model, tp_mesh, ends)
-    for path, dim in plan.sp_inputs.items() if sequence_parallel else ():
-        if getattr(model, path, None) is not None:  # the first stage's embeddings
-            # (b, s, d) -> this rank's (b, s/tp, d); backward all-gathers the gradient
-            parallelize_module(getattr(model, path), tp_mesh, _sequence_shard(dim))
+    apply_ends(model, plan, tp_mesh, sequence_parallel)  # embedding, head, SP's ends
     if hasattr(model, "sequence_shards"):  # a later stage receives s/tp tokens
         model.sequence_shards = tp_mesh.size() if sequence_parallel else 1
     return model
-
-
-def _end_styles(model: nn.Module, plan, sequence_parallel: bool) -> dict:
-    """The styles of the parts around the blocks that this module holds: the output
-    layer by columns (logits gathered), the final norm on s/tp tokens under SP."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
-
-    styles = {}
-    if sequence_parallel and plan.norm and getattr(model, plan.norm, None) is not None:
-        styles[plan.norm] = SequenceParallel()
-    if split_head(model, plan) is not None:
-        into = Shard(1) if sequence_parallel else Replicate()
-        styles[plan.head] = ColwiseParallel(input_layouts=into, output_layouts=Replicate())
-    return styles
-
-
-def _sequence_shard(dim: int):
-    """A style for an embedding: its output, whole on every tp rank, becomes this rank's
-    s/tp of the sequence (along ``dim``) as a copy, before any block (and any checkpoint
-    of one) keeps it; backward all-gathers the gradient."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor.parallel.style import ParallelStyle
-
-    class SequenceShard(ParallelStyle):
-        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-            def shard(_, inputs, out):
-                whole = DTensor.from_local(out, device_mesh, (Replicate(),), run_check=False)
-                return whole.redistribute(placements=(Shard(dim),)).to_local().clone()
-
-            module.register_forward_hook(shard)
-            return module
-
-    return SequenceShard()
 
 
 block_plan = gpt_block_plan  # TinyGPT's Block split
