@@ -96,3 +96,8 @@ def test_simulate_cli_takes_sequence_parallel_and_checkpointing(capsys):
     assert main([*argv, "--sequence-parallel", "--activation-checkpointing"]) == 0
     head = capsys.readouterr().out.splitlines()[0]
     assert "(dp 1 x tp 2 x pp 1), sequence parallel, full activation checkpointing" in head
+    # a device too small: the last line says which ranks and what their peak was made of
+    assert main([*argv, "--device-memory", "0.000001"]) == 0
+    why = capsys.readouterr().out.splitlines()[-1]
+    assert why.startswith("ranks 0-1 peak at ") and "model states " in why
+    assert "activations " in why and "temporaries " in why

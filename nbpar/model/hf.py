@@ -5,7 +5,9 @@ class (``model_config`` overrides small defaults; nothing is downloaded), then k
 its parts as a flat module like TinyGPT: ``embed`` (+ ``pos`` for GPT-2), ``layers``
 (a ModuleDict "0".."L-1"), ``norm`` and ``head``. nbpar runs them itself, so a pipeline
 stage is the same module with parts set to None, and the parallel plan is declared
-once here: Llama's tensor-parallel plan is transformers' own ``base_model_tp_plan``.
+once here: Llama's tensor-parallel plan is transformers' own ``base_model_tp_plan``, with
+sequence parallelism the layouts torchtitan gives Llama (`llama_block_plan`); the
+embedding is split by vocabulary rows and the head by columns (`nbpar.parallel.tensor_ends`).
 GPT-2 has none in transformers: its ``c_attn`` computes q, k and v side by side in one
 Conv1D (weight ``(d, 3d)``), and DTensor's styles split only ``nn.Linear`` and would cut
 the fused output in T contiguous pieces (rank 0 all of q and part of k). nbpar keeps

@@ -165,4 +165,8 @@ def human(out: dict) -> str:
             f"{size(r.get('activation_bytes')):>11} {size(r['peak_bytes']):>10} "
             f"{size(r.get('comm_bytes')):>10}"
         )
+    if out.get("fits") is False:
+        from nbpar.simulate.run import why_not
+
+        lines.append(why_not(out["ranks"]))
     return "\n".join(lines)

@@ -63,6 +63,8 @@ class Simulation(dict):
                 f"{'yes' if self['fits'] else 'no'}, margin "
                 f"{format_bytes(self['margin_bytes'])}"
             )
+            if not self["fits"]:
+                lines.append(why_not(self["ranks"]))
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -199,6 +201,21 @@ def capacity_bytes(device_memory_gb: float) -> int:
     ):
         raise ValueError(f"device memory must be a positive number of GB, got {device_memory_gb!r}")
     return int(device_memory_gb * 1e9)
+
+
+def why_not(ranks) -> str:
+    """One line: the rank with the largest peak and what its peak was made of."""
+    from nbpar.measure.records import model_state_bytes
+    from nbpar.simulate.roles import describe
+
+    r = max(ranks, key=lambda r: r["peak_bytes"])
+    states, comm, temp = model_state_bytes(r), r["comm_buffer_bytes"], r["temp_bytes"]
+    acts = r["peak_bytes"] - states - comm - temp
+    return (
+        f"ranks {describe(r['stands_for'])} peak at {format_bytes(r['peak_bytes'])}: model "
+        f"states {format_bytes(states)}, activations {format_bytes(acts)}, temporaries "
+        f"{format_bytes(temp)}, communication buffers {format_bytes(comm)}"
+    )
 
 
 def fit_figures(ranks, capacity: int) -> dict:
