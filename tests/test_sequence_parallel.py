@@ -138,3 +138,10 @@ def test_sequence_parallel_is_refused_in_one_line(kw, words):
     with pytest.raises(ConfigError, match=words) as err:
         TrainConfig(**kw).validate(world_size=4 if kw["strategy"] == "hybrid" else 2)
     assert "sequence_parallel" in err.value.fields
+
+
+def test_sequence_parallel_waits_for_the_engines_when_tp_takes_them():
+    TrainConfig(strategy="tp", sequence_parallel=True).validate()  # tp = the engines
+    TrainConfig(strategy="tp", sequence_parallel=True).validate(world_size=2)
+    with pytest.raises(ConfigError, match="needs tp > 1"):
+        TrainConfig(strategy="tp", sequence_parallel=True).validate(world_size=1)

@@ -8,7 +8,8 @@ the schedule itself: GPipe runs every forward, then every backward (Huang et al.
 1F1B lets stage i run p - i - 1 forwards ahead, then alternates (PipeDream-Flush,
 Narayanan et al. 2019), so stage i holds at most p - i micro-batches. Boundaries are real
 ``dist.send``/``dist.recv`` calls on the fake group, one activation forward and one
-gradient back per micro-batch, so the communication meter counts them.
+gradient back per micro-batch, so the communication meter counts them. `segments_step`
+runs two micro-batches and leaves the rest to `nbpar.simulate.segments.compose`.
 """
 
 from __future__ import annotations
