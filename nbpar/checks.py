@@ -32,6 +32,26 @@ def choice(name: str, value, allowed) -> None:
         )
 
 
+#: activation checkpointing's kinds (Korthikanti et al. 2022): "full" recomputes each
+#: block in backward, "selective" only its attention core
+CHECKPOINTING = ("full", "selective")
+
+
+def checkpointing_kind(value) -> str | None:
+    """``TrainConfig.activation_checkpointing`` as a kind: None (off), "full" (True, as
+    before there were kinds) or "selective"; ConfigError for anything else."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return "full"
+    if isinstance(value, str) and value in CHECKPOINTING:
+        return value
+    raise ConfigError(
+        f"activation_checkpointing must be False, True, 'full' or 'selective', got {value!r}",
+        fields=("activation_checkpointing",),
+    )
+
+
 @contextlib.contextmanager
 def about(*fields: str):
     """Name ``fields`` in a ValueError that a check inside raises without naming its

@@ -12,6 +12,7 @@ import sys
 from nbpar.cli_args import (
     TRAIN_FIELDS,
     Parser,
+    add_memory_flags,
     flagged,
     non_negative_float,
     positive_float,
@@ -51,7 +52,7 @@ def build_parser() -> Parser:
     )
     t.add_argument("--dataset", default=None, help="a built-in name or package.module:function")
     t.add_argument("--loss", default=None, help="package.module:function(output, target)")
-    t.add_argument("--activation-checkpointing", action="store_true", default=None)
+    add_memory_flags(t)
     t.add_argument("--steps", type=positive_int, default=None)
     t.add_argument("--micro-batch", type=positive_int, default=None)
     t.add_argument("--grad-accum", type=positive_int, default=None)
@@ -85,13 +86,21 @@ def build_parser() -> Parser:
     e.add_argument("--optimizer", default="adam")
     e.add_argument("--precision", choices=("fp32", "mixed", "bf16", "fp16"), default="fp32")
     e.add_argument("--offload", choices=("none", "optimizer", "params"), default="none")
+    e.add_argument(
+        "--activations",
+        default=None,
+        metavar="JSON",
+        help='add one stage\'s activations: {"batch", "seq_len", "hidden", "layers", '
+        '"heads"[, "in_flight"]} (Korthikanti et al. 2022)',
+    )
+    add_memory_flags(e)
     e.add_argument("--json", action="store_true")
 
     add_compare_parsers(sub)
 
     from nbpar.simulate.cli import add_parser as add_simulate_parser
 
-    add_simulate_parser(sub, positive_int, positive_float)
+    add_simulate_parser(sub, positive_int, positive_float, add_memory_flags)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True, parser_class=Parser)
@@ -184,10 +193,32 @@ def cmd_estimate(args) -> dict:
             optimizer=args.optimizer,
             precision=args.precision,
             offload=args.offload,
+            activations=_activation_spec(args),
         )
     except (ValueError, TypeError) as err:
         raise UsageError(str(err)) from None
     return est.to_json()
+
+
+def _activation_spec(args) -> dict | None:
+    """``--activations`` with the recomputation and sequence-parallel flags in it."""
+    if args.activations is None:
+        for flag in ("activation_checkpointing", "sequence_parallel"):
+            if getattr(args, flag) is not None:
+                raise UsageError(
+                    f"--{flag.replace('_', '-')} changes the activations: give their shape "
+                    f'with --activations \'{{"batch", "seq_len", "hidden", "layers", "heads"}}\''
+                )
+        return None
+    try:
+        spec = json.loads(args.activations)
+    except json.JSONDecodeError as err:
+        raise UsageError(f"--activations is not JSON: {err}") from None
+    if not isinstance(spec, dict):
+        raise UsageError(f"--activations must be a JSON object, got {spec!r}")
+    spec.setdefault("sequence_parallel", bool(args.sequence_parallel))
+    spec.setdefault("recompute", args.activation_checkpointing or False)
+    return spec
 
 
 def cmd_simulate(args) -> dict:
@@ -223,17 +254,18 @@ def _human(command: str, out: dict) -> str:
 
 
 def _human_estimate(out: dict) -> str:
-    """Two lines: the layout, then the per-rank model states."""
+    """Two lines: the layout, then the per-rank model states (and activations)."""
     from nbpar.estimate import format_bytes
 
     b = out["per_rank_bytes"]
     n = out["world_size"]
     where = f"{n} rank{'s' * (n != 1)} (dp {out['dp']} x tp {out['tp']} x pp {out['pp']})"
+    acts = f"activations {format_bytes(b['activations'])}, " if "activations" in b else ""
     return (
         f"{out['strategy']} on {where}, {out['optimizer']}, {out['precision']} precision, "
         f"offload {out['offload']}: {out['params'] / 1e9:.3g}B parameters\n"
         f"per rank: params {format_bytes(b['params'])}, grads {format_bytes(b['grads'])}, "
-        f"optimizer {format_bytes(b['optim'])}, total {format_bytes(b['total'])}"
+        f"optimizer {format_bytes(b['optim'])}, {acts}total {format_bytes(b['total'])}"
     )
 
 

@@ -43,6 +43,28 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def add_memory_flags(parser) -> None:
+    """``--activation-checkpointing [full|selective]`` (a bare flag means full) and
+    ``--sequence-parallel``: train, estimate and simulate take them alike."""
+    from nbpar.checks import CHECKPOINTING
+
+    parser.add_argument(
+        "--activation-checkpointing",
+        nargs="?",
+        const="full",
+        choices=CHECKPOINTING,
+        default=None,
+        help="recompute in backward: full (each block; the default) or selective "
+        "(the attention core only)",
+    )
+    parser.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        default=None,
+        help="with tensor parallelism: norms and dropout on s/tp tokens per rank",
+    )
+
+
 # CLI flag (argparse dest) -> TrainConfig field, for the flags that set one
 TRAIN_FIELDS = (
     "strategy",
@@ -58,6 +80,7 @@ TRAIN_FIELDS = (
     "dataset",
     "loss",
     "activation_checkpointing",
+    "sequence_parallel",
     "steps",
     "micro_batch",
     "grad_accum",

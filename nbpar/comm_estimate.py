@@ -23,13 +23,18 @@ def comm_bytes_per_step(
     activation_bytes: float = 0.0,
     layers: int = 0,
     pp_stage: int = 0,
+    logits_bytes: float = 0.0,
+    sequence_parallel: bool = False,
+    column_linears: int = 4,
 ) -> float:
     """Bytes one rank sends in one optimizer step, by the ring accounting of the ZeRO
     paper (all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n of the whole).
 
     ``param_bytes`` is the whole model's parameter bytes (Psi), ``activation_bytes``
-    one micro-batch's hidden states (b * s * d * element size). The paper's figures
-    are 2 Psi for DDP and ZeRO-1/2 and 3 Psi for ZeRO-3 (times (n-1)/n); the
+    one micro-batch's hidden states (b * s * d * element size), ``logits_bytes`` its
+    logits (b * s * vocab * element size): given, tp splits the embedding and the output
+    layer too, as nbpar's plans do.
+    The paper's figures are 2 Psi for DDP and ZeRO-1/2 and 3 Psi for ZeRO-3 (times (n-1)/n); the
     implementations differ where said, as measured at the c10d layer
     (`nbpar.measure.comm`), with K micro-batches per step:
 
@@ -45,9 +50,19 @@ def comm_bytes_per_step(
       (default 1e9 elements) stays gathered from forward to backward, so small models
       gather once per micro-batch and reduce-scatter per micro-batch: 2K Psi.
     - tp (Megatron, Shoeybi et al. 2019): 2 all-reduces of the hidden states per layer
-      in forward and 2 in backward; nbpar's Q, K and V are three column-parallel
-      Linears, so DTensor reduces the input gradient of each: 6 per layer, per
-      micro-batch.
+      in forward and 2 in backward; DTensor reduces the input gradient of each
+      column-parallel Linear apart (``column_linears`` a layer: Q, K, V and the MLP's
+      first, 4, in tiny_gpt; 5 with Llama's gate and up): 6 per layer in tiny_gpt, per
+      micro-batch. The embedding, split by vocabulary, all-reduces its lookups; the
+      output layer, split by columns, all-gathers the logits and all-reduces its
+      input's gradient.
+    - tp with ``sequence_parallel`` (Korthikanti et al. 2022): each all-reduce becomes a
+      reduce-scatter and an all-gather of the same tensor, which together move what it
+      moved; the all-gathered input is shared by Q, K and V, so its gradient is
+      reduce-scattered once: per layer 4 all-gathers and 4 reduce-scatters, Megatron's 4
+      all-reduces. The embedding reduce-scatters its lookups (all-gathers their gradient
+      in backward); the output layer all-gathers its input and the logits and
+      reduce-scatters its input's gradient.
     - pipeline: each boundary carries one activation forward and one gradient back per
       micro-batch; a first or last stage sends K tensors, a middle stage 2K.
     """
@@ -67,7 +82,11 @@ def comm_bytes_per_step(
         }[(strategy, backend)]
         return times * ring
     if strategy == "tp":
-        return k * layers * 6 * 2 * (tp - 1) / tp * activation_bytes
+        ring_a, ring_l = (tp - 1) / tp * activation_bytes, (tp - 1) / tp * logits_bytes
+        ends = 4 * ring_a + ring_l if logits_bytes else 0  # embedding and head split
+        if sequence_parallel:
+            return k * (layers * 8 * ring_a + ends)
+        return k * (layers * (2 + column_linears) * 2 * ring_a + ends)
     if strategy == "pipeline":
         middle = 0 < pp_stage < pp - 1
         return k * activation_bytes * (2 if middle else 1) if pp > 1 else 0.0

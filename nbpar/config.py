@@ -136,9 +136,15 @@ class TrainConfig:
     loss: str | Callable | None = None
     """loss(output, target) -> scalar, or its "package.module:function"; None = the
     model's own (cross entropy for the built-ins and hf:*)"""
-    activation_checkpointing: bool = False
-    """recompute each block's activations in backward instead of keeping them (tiny_gpt,
-    hf:*)"""
+    activation_checkpointing: bool | str = False
+    """recompute activations in backward instead of keeping them (tiny_gpt, hf:*): "full"
+    (or True) keeps only each block's input and recomputes the block; "selective" keeps
+    the linear layers' outputs and recomputes only the attention core (Korthikanti et al.
+    2022); False keeps everything"""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (Korthikanti et al. 2022) with tensor parallelism
+    (tp > 1; tiny_gpt, hf:llama): the norms and dropout run on s/tp tokens per rank, the
+    all-reduces become all-gathers and reduce-scatters"""
     data_dir: str | None = None
     """where CIFAR-10 format files live; generated there (synthetic) when absent"""
     strategy: str = "ddp"

@@ -74,25 +74,40 @@ def activation_bytes_per_layer(
     tp: int = 1,
     element_bytes: int = 2,
     sequence_parallel: bool = True,
+    selective: bool = False,
 ) -> float:
-    """Bytes one transformer layer keeps for backward, no recomputation (Korthikanti 2022).
+    """Bytes one transformer layer keeps for backward (Korthikanti et al. 2022).
 
     16-bit activations give eq. 1, s*b*h*(34 + 5*a*s/h): tensors of e bytes plus 1-byte
     dropout masks, so e = 4 (fp32) gives s*b*h*(66 + 9*a*s/h). With tensor parallelism and
     sequence parallelism everything divides by t (eq. 4); without it the layer-norm and
     linear inputs and the dropout masks stay replicated (eq. 2: 10 + 24/t + 5*a*s/(h*t)).
+    ``selective`` recomputation (sec. 4.3) keeps none of the attention core's s x s
+    tensors, the 5*a*s^2*b term: 34*s*b*h (/t with sequence parallelism). A fused
+    attention kernel (FlashAttention, or the flash kernels scaled_dot_product_attention
+    picks, as in nbpar's runs) never stores that term either, so a measured run without
+    recomputation keeps about the selective figure. nbpar's sequence parallelism (DTensor's,
+    as torchtitan's) keeps the all-gathered inputs of the attention and the MLP whole,
+    2*e*s*b*h*(1 - 1/t) beyond eq. 4, where Megatron gathers them again in backward.
     An approximation: embeddings, the output head and the loss are left out.
     """
     s, b, h, a = seq_len, batch, hidden, heads
     replicated = 4 * element_bytes + 2  # 2 layer-norm in, QKV in, MLP in (e), 2 masks (1)
     sharded = 12 * element_bytes  # Q, K, V, proj in (e sbh each), GeLU in/out (4e sbh)
-    scores = (2 * element_bytes + 1) * a * s / h  # softmax out, dropout out (e), mask (1)
+    scores = 0 if selective else (2 * element_bytes + 1) * a * s / h  # softmax, dropout
     if sequence_parallel:
         return s * b * h * (replicated + sharded + scores) / tp
     return s * b * h * (replicated + (sharded + scores) / tp)
 
 
 def _activations(spec, tp: int, pp: int, element_bytes: int) -> float:
+    """The activations of one stage: Korthikanti et al.'s per-layer bytes, 34*s*b*h +
+    5*a*s^2*b without recomputation, 34*s*b*h with selective recomputation, 2*s*b*h (the
+    16-bit layer input) with full recomputation plus one layer rebuilt in backward; all
+    / t with sequence parallelism. Times the layers of a stage and the micro-batches it
+    holds in flight."""
+    from nbpar.checks import checkpointing_kind
+
     if not isinstance(spec, dict):
         raise ValueError(f"activations must be a dict with keys {ACTIVATION_KEYS}, got {spec!r}.")
     extra = set(spec) - set(ACTIVATION_KEYS) - {"sequence_parallel", "in_flight", "recompute"}
@@ -107,17 +122,17 @@ def _activations(spec, tp: int, pp: int, element_bytes: int) -> float:
     if v["layers"] < pp:
         raise ValueError(f"activations['layers']={v['layers']} must be >= pp={pp}.")
     sp = bool(spec.get("sequence_parallel", True))
+    kind = checkpointing_kind(spec.get("recompute", False))
+    shape = (v["batch"], v["seq_len"], v["hidden"], v["heads"])
     per_layer = activation_bytes_per_layer(
-        v["batch"],
-        v["seq_len"],
-        v["hidden"],
-        v["heads"],
-        tp=tp,
-        element_bytes=element_bytes,
-        sequence_parallel=sp,
+        *shape, tp=tp, element_bytes=element_bytes, sequence_parallel=sp
     )
     layers = math.ceil(v["layers"] / pp) * in_flight
-    if spec.get("recompute"):
+    if kind == "selective":
+        return layers * activation_bytes_per_layer(
+            *shape, tp=tp, element_bytes=element_bytes, sequence_parallel=sp, selective=True
+        )
+    if kind == "full":
         # full recomputation (Chen et al. 2016; Korthikanti et al. 2022, sec. 5): each
         # layer keeps only its input (s*b*h elements, split over t with sequence
         # parallelism), plus the one layer whose activations backward is rebuilding
@@ -164,8 +179,9 @@ def estimate_memory(
     Offloaded bytes go to per_rank_bytes["host"], not "total". `activations` is an optional
     dict(batch=, seq_len=, hidden=, layers=, heads=[, sequence_parallel=True, in_flight=1,
     recompute=False]): in_flight is how many micro-batches a stage holds at once (pp on
-    1F1B's first stage); recompute=True models full activation checkpointing (each layer
-    keeps only its input; backward rebuilds one layer at a time).
+    1F1B's first stage); recompute "full" (or True) models full activation checkpointing
+    (each layer keeps only its input; backward rebuilds one layer at a time), "selective"
+    the attention core recomputed (no s x s scores kept; see `activation_bytes_per_layer`).
     `backend` None follows the ZeRO paper; "torch" or "deepspeed" models what those
     implementations hold between steps: FSDP2's zero2 (no resharding after forward)
     reshards parameters after backward; DeepSpeed reduces gradients into this rank's

@@ -15,7 +15,7 @@ import textwrap
 import types
 from dataclasses import asdict, dataclass
 
-from nbpar.checks import choice, positive_int
+from nbpar.checks import checkpointing_kind, choice, positive_int
 from nbpar.hardware import Hardware, lookup, positive_number
 from nbpar.project_comm import OVERLAP, Comm, bad, comm_notes, sent_by_op, timed
 from nbpar.strategies import STRATEGIES, resolve_degrees
@@ -203,12 +203,14 @@ def _flops(cfg, dims, params, tokens, flops) -> tuple[float, str]:
                        f"give tokens_per_step or flops_per_step")  # fmt: skip
         seq = (cfg.get("gpt") or {}).get("seq_len", 32)
         tokens = cfg.get("micro_batch", 8) * cfg.get("grad_accum", 1) * seq * dims.dp
-    per = 8 if cfg.get("activation_checkpointing") else 6
+    # full recomputation runs each forward again; selective recomputes only the attention
+    # core, which the 6 N D count leaves out anyway (Korthikanti et al. 2022)
+    per = 8 if checkpointing_kind(cfg.get("activation_checkpointing")) == "full" else 6
     note = (
         f"Compute: {per} x {params:.3g} parameters x {tokens:,.0f} tokens a step "
         f"(forward 2 + backward 4 FLOPs a parameter and token, Kaplan et al. 2020 as the "
         f"Chinchilla paper uses it"
-        + ("; +2 to recompute the forward under activation checkpointing" if per == 8 else "")
+        + ("; +2 to recompute the forward under full activation checkpointing" if per == 8 else "")
         + f"), split evenly over the {dims.world_size} GPUs: each dp rank its tokens, "
         f"tp x pp their share of the parameters."
     )

@@ -37,6 +37,8 @@ ATTENTIONS = ("ring", "ulysses")
 DEFAULT_ATTENTION = "ring"
 #: models whose attention context parallelism replaces (it needs to know their positions)
 CP_MODELS = ("tiny_gpt", "hf:llama")
+#: models that declare a sequence-parallel split of their blocks (ModelPlan.sp)
+SP_MODELS = ("tiny_gpt", "hf:llama")
 #: the degree a strategy splits along, which takes the engines the other degrees leave
 OWN_DEGREE = {
     "ddp": "dp",
@@ -396,6 +398,9 @@ def check_model_degrees(cfg, world_size: int | None) -> None:
     else:
         check_degrees(cfg.strategy, cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.ep)
         tp, pp, cp, ep = cfg.tp or 1, cfg.pp or 1, cfg.cp or 1, cfg.ep or 1
+    tp_known = world_size is not None or cfg.tp is not None or OWN_DEGREE.get(cfg.strategy) != "tp"
+    if tp_known:
+        _check_sequence_parallel(cfg, tp)
     if cp > 1:
         _check_cp_fits(cfg, cp, tp)
     if ep > 1:
@@ -427,6 +432,38 @@ def check_model_degrees(cfg, world_size: int | None) -> None:
         )
     if cfg.strategy in PIPELINED and pp > 1 and layers is not None:
         check_pipeline_schedule(cfg.schedule, pp, cfg.grad_accum, layers, cfg.backend)
+
+
+def _check_sequence_parallel(cfg, tp: int) -> None:
+    """Sequence parallelism splits the sequence over the tensor-parallel ranks: it needs
+    tp > 1, a model that declares the split, and a sequence that divides by tp."""
+    sp = cfg.sequence_parallel
+    if not isinstance(sp, bool):
+        raise ConfigError(
+            f"sequence_parallel must be True or False, got {sp!r}", fields=("sequence_parallel",)
+        )
+    if not sp:
+        return
+    if tp == 1:
+        raise ConfigError(
+            "sequence_parallel splits the sequence over the tensor-parallel ranks: it needs "
+            "tp > 1 (strategy 'tp', 'hybrid' with tp, or torch zero* with tp), got tp=1",
+            fields=("sequence_parallel", "tp"),
+        )
+    from nbpar.model.registry import kind
+
+    if kind(cfg.model) in ("builtin", "hf") and cfg.model not in SP_MODELS:
+        raise ConfigError(
+            f"sequence_parallel runs {' and '.join(SP_MODELS)} (or a model whose plan "
+            f"declares the split, ModelPlan.sp), not {cfg.model!r}",
+            fields=("sequence_parallel", "model"),
+        )
+    if kind(cfg.model) in ("builtin", "hf") and cfg.gpt.seq_len % tp:
+        raise ConfigError(
+            f"sequence_parallel gives each of the tp={tp} ranks seq_len / tp tokens: "
+            f"gpt.seq_len={cfg.gpt.seq_len} does not divide by {tp}",
+            fields=("sequence_parallel", "gpt.seq_len"),
+        )
 
 
 def _heads(cfg) -> int:

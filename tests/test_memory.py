@@ -296,7 +296,9 @@ def test_tensor_parallel_estimate_counts_what_the_plan_leaves_whole():
         + 2 * g.ffn_mult * g.d_model * g.d_model
         + g.ffn_mult * g.d_model
     )
-    assert n - whole == blocks  # only the blocks' split weights (and colwise biases) shard
+    ends = 2 * g.vocab_size * g.d_model  # the embedding by rows, the head by columns
+    # only the blocks' split weights (and colwise biases) and the two ends shard
+    assert n - whole == blocks + ends
     est = estimate_memory(n, 2, "tp", tp_replicated=whole)
     assert est.per_rank_bytes["params"] == 4 * ((n - whole) / 2 + whole)
     assert estimate_memory(n, 2, "tp").per_rank_bytes["params"] == 4 * n / 2  # the paper's

@@ -5,7 +5,9 @@ from its config class (``model_config`` overrides small defaults; nothing is dow
 then keep its parts as a flat module like TinyGPT: ``embed`` (+ ``pos`` for GPT-2),
 ``layers`` (a ModuleDict "0".."L-1"), ``norm`` and ``head``. nbpar runs them itself, so a pipeline
 stage is the same module with parts set to None, and the parallel plan is declared
-once here: Llama's tensor-parallel plan is transformers' own ``base_model_tp_plan``.
+once here: Llama's tensor-parallel plan is transformers' own ``base_model_tp_plan``, with
+sequence parallelism the layouts torchtitan gives Llama (`llama_block_plan`); the
+embedding is split by vocabulary rows and the head by columns (`nbpar.parallel.tensor_ends`).
 GPT-2 has none in transformers: its ``c_attn`` computes q, k and v side by side in one
 Conv1D (weight ``(d, 3d)``), and DTensor's styles split only ``nn.Linear`` and would cut
 the fused output in T contiguous pieces (rank 0 all of q and part of k). nbpar keeps
@@ -177,6 +179,39 @@ def gpt2_block_plan() -> dict:
     }
 
 
+def llama_block_plan(tp_plan: dict, sequence_parallel: bool = False) -> dict:
+    """A LlamaDecoderLayer's split: transformers' ``base_model_tp_plan`` (q, k, v, gate and
+    up column-wise, o and down row-wise). With ``sequence_parallel`` the layer's input
+    and output hold the tp rank's s/tp tokens (Korthikanti et al. 2022): the RMSNorms run
+    on them, the attention and the MLP all-gather their normed input (the attention takes
+    it as the keyword ``hidden_states``) and o and down reduce-scatter their output, as
+    torchtitan's ``apply_tp`` splits Llama."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import parallel as styles
+
+    row = {"output_layouts": Shard(1)} if sequence_parallel else {}
+    plan = {
+        k.removeprefix("layers.*."): getattr(styles, TP_STYLES[v])(
+            **(row if v == "rowwise" else {})
+        )
+        for k, v in tp_plan.items()
+    }
+    if sequence_parallel:
+        sp = styles.SequenceParallel()
+        plan.update(
+            input_layernorm=sp,
+            post_attention_layernorm=sp,
+            self_attn=styles.PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": Shard(1)},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            ),
+            mlp=styles.PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            ),
+        )
+    return plan
+
+
 def family(model: str) -> str:
     name = model.removeprefix("hf:")
     if name not in FAMILIES:
@@ -259,10 +294,14 @@ class HFCausalLM(nn.Module):
                 layer.mlp.gate.register_forward_hook(count_router_output)
         self.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(layers)})
         self.head = lm.lm_head
-        self.checkpointing = False
+        self.checkpointing = False  # activation checkpointing: False, "full", "selective"
         # the global positions of the tokens this module is given, where context
         # parallelism hands it some of each sequence's; None = 0..s-1
         self.positions: torch.Tensor | None = None
+        # the tp ranks sequence parallelism splits the hidden states over: the embeddings
+        # and the blocks give, and a later pipeline stage receives, s / sequence_shards
+        # tokens of each sequence
+        self.sequence_shards = 1
 
     def set_context_attention(self, attend) -> None:
         """Every layer's attention calls ``attend(q, k, v)`` (context parallelism), through
@@ -278,7 +317,8 @@ class HFCausalLM(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x) if self.embed is not None else x  # ids (b, s) -> (b, s, d)
-        positions = token_positions(self.positions, h.shape[1], h.device).unsqueeze(0)  # (1, s)
+        s = h.shape[1] * self.sequence_shards  # the whole sequence's positions (or cp's share)
+        positions = token_positions(self.positions, s, h.device).unsqueeze(0)  # (1, s)
         if self.pos is not None:
             h = h + self.pos(positions)
         kwargs = {}
@@ -297,12 +337,6 @@ class HFCausalLM(nn.Module):
         )
         first = ("embed", "pos")
         if self.family in ("llama", "mixtral"):
-            from torch.distributed.tensor import parallel
-
-            plan = {
-                k.removeprefix("layers.*."): getattr(parallel, TP_STYLES[v])()
-                for k, v in self.config.base_model_tp_plan.items()
-            }
             c = self.config
             widths = {
                 "number of attention heads": c.num_attention_heads,
@@ -312,7 +346,7 @@ class HFCausalLM(nn.Module):
                 widths["MLP width"] = c.intermediate_size
             return ModelPlan(
                 layers=self.layers,
-                tp=plan,
+                tp=llama_block_plan(c.base_model_tp_plan),
                 tp_widths=widths,
                 first=first,
                 last=("norm", "head"),
@@ -320,6 +354,12 @@ class HFCausalLM(nn.Module):
                 if tied
                 else None,
                 experts="mlp.experts" if self.family == "mixtral" else None,
+                sp=llama_block_plan(c.base_model_tp_plan, sequence_parallel=True)
+                if self.family == "llama"
+                else None,
+                head="head",
+                embed="embed",
+                norm="norm",
             )
         c = self.config
         return ModelPlan(
@@ -334,6 +374,8 @@ class HFCausalLM(nn.Module):
             no_pipeline="its embeddings are tied to the head (set tie_word_embeddings=False)"
             if tied
             else None,
+            head="head",
+            embed="embed",
         )
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nbpar.checks import checkpointing_kind
 from nbpar.model.plan import run_layers, token_positions
 
 # Sizes arrive as a `nbpar.config.GPTConfig`; it is not imported here, since the config
@@ -107,7 +108,7 @@ class TinyGPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): block(cfg) for i in range(cfg.n_layers)})
         self.norm = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.checkpointing = False  # activation checkpointing per block
+        self.checkpointing = False  # activation checkpointing: False, "full", "selective"
         # the global positions of the tokens this module is given, where context
         # parallelism hands it some of each sequence's (`nbpar.parallel.cp`); None = 0..s-1
         self.positions: torch.Tensor | None = None
@@ -128,6 +129,11 @@ class TinyGPT(nn.Module):
             },
             first=("tok_emb", "pos_emb"),
             last=("norm", "head"),
+            sp=gpt_block_plan(sequence_parallel=True),
+            head="head",
+            embed="tok_emb",
+            norm="norm",
+            sp_inputs={"pos_emb": 0},  # (s, d), added to tok_emb's (b, s, d)
         )
 
     def set_context_attention(self, attend: Callable | None) -> None:
@@ -182,6 +188,7 @@ class TinyMoE(TinyGPT):
         plan.tp = {k: v for k, v in plan.tp.items() if not k.startswith("ffn.")}
         plan.tp_widths.pop("feed-forward width")
         plan.experts = "ffn.experts"
+        plan.sp = None  # no sequence-parallel split of the experts' blocks
         return plan
 
     def forward(self, x: torch.Tensor, aux: torch.Tensor | None = None):
@@ -194,18 +201,35 @@ class TinyMoE(TinyGPT):
         return out, total
 
 
-def gpt_block_plan() -> dict:
-    """The Megatron split of one TinyGPT Block, keyed by submodule path."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+def gpt_block_plan(sequence_parallel: bool = False) -> dict:
+    """The Megatron split of one TinyGPT Block, keyed by submodule path. With
+    ``sequence_parallel`` (Korthikanti et al. 2022) the block's input and output hold the
+    tp rank's s/tp tokens: the norms and the feed-forward's dropout run on them, each
+    sub-layer all-gathers its normed input and reduce-scatters its output, the layouts
+    torchtitan's ``apply_tp`` gives Llama."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
-    return {
+    out = Shard(1) if sequence_parallel else Replicate()  # (b, s/tp, d) or (b, s, d)
+    plan = {
         "attn.wq": ColwiseParallel(),
         "attn.wk": ColwiseParallel(),
         "attn.wv": ColwiseParallel(),
-        "attn.wo": RowwiseParallel(),
+        "attn.wo": RowwiseParallel(output_layouts=out),
         "ffn.w1": ColwiseParallel(),
-        "ffn.w2": RowwiseParallel(),
+        "ffn.w2": RowwiseParallel(output_layouts=out),
     }
+    if sequence_parallel:
+        # (b, s/tp, d) -> (b, s, d) into q, k, v and w1; backward reduce-scatters it
+        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        norm = SequenceParallel()
+        plan.update(attn_norm=norm, attn=gather, ffn_norm=norm, ffn=gather)
+    return plan
 
 
 def _init_weights(m: nn.Module) -> None:
@@ -240,14 +264,15 @@ def build_model(cfg) -> nn.Module:
             model = build_hf_model(cfg.model, cfg.model_config, cfg.gpt.seq_len)
         else:
             model = _call_factory(cfg)
-    if cfg.activation_checkpointing:
+    kind = checkpointing_kind(cfg.activation_checkpointing)
+    if kind is not None:
         if not hasattr(model, "checkpointing"):
             raise ValueError(
                 f"activation_checkpointing needs a model that runs its blocks "
                 f"through nbpar.model.plan.run_layers (tiny_gpt, hf:*); "
                 f"{type(model).__name__} does not"
             )
-        model.checkpointing = True
+        model.checkpointing = kind
     return model
 
 

@@ -6,7 +6,10 @@ A model that defines ``parallel_plan() -> ModelPlan`` tells the strategies
   DTensor ``ColwiseParallel``/``RowwiseParallel`` styles keyed by submodule path) and
   which widths the tp degree must divide,
 - which parts only the first and the last pipeline stage keep (GPipe, Huang et al.
-  2019: embeddings in front, norm and head at the back).
+  2019: embeddings in front, norm and head at the back),
+- how a block splits with sequence parallelism (Korthikanti et al. 2022, "Reducing
+  Activation Recomputation in Large Transformer Models"), and which output layer tensor
+  parallelism splits by columns.
 
 Data parallelism needs no plan. Without one, tensor and pipeline parallelism are
 refused with `require`'s message naming what is missing.
@@ -17,7 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from nbpar.checks import checkpointing_kind
 
 
 @dataclass
@@ -42,6 +49,20 @@ class ModelPlan:
     """block-relative path of a mixture-of-experts block's experts module (called as
     transformers calls its experts: hidden, top-k ids, top-k weights), which expert
     parallelism shares out; None = no experts"""
+    sp: dict | None = None
+    """the block split with sequence parallelism (norms on s/tp tokens, each sub-layer's
+    input all-gathered, its output reduce-scattered); None = no sequence parallelism"""
+    head: str | None = None
+    """the output layer tensor parallelism splits by columns, its logits gathered
+    (transformers' ``colwise_gather_output``); None = kept whole"""
+    embed: str | None = None
+    """the token embedding tensor parallelism splits by vocabulary rows (Megatron's
+    VocabParallelEmbedding), its (b, s, d) output summed over the ranks; None = whole"""
+    norm: str | None = None
+    """the final norm, which sequence parallelism runs on s/tp tokens"""
+    sp_inputs: dict[str, int] = field(default_factory=dict)
+    """the modules whose outputs make the first block's input, each with the dim of its
+    output that runs along the sequence: sequence parallelism keeps this rank's s/tp"""
 
 
 def plan_of(model: nn.Module) -> ModelPlan | None:
@@ -87,9 +108,21 @@ def check_tp_degree(model: nn.Module, tp: int) -> None:
             )
 
 
+def split_ends(model: nn.Module, plan: ModelPlan) -> dict[str, nn.Module]:
+    """The embedding and the output layer tensor parallelism splits, by attribute name:
+    those this stage holds and the plan declares, unless they are tied (one weight:
+    splitting it by rows for one and by columns for the other cannot both hold)."""
+    ends = {name: getattr(model, name, None) for name in (plan.embed, plan.head) if name}
+    ends = {name: m for name, m in ends.items() if m is not None}
+    weights = [m.weight for m in model.modules() if isinstance(m, (nn.Embedding, nn.Linear))]
+    tied = {id(w) for w in weights if sum(x is w for x in weights) > 1}
+    return {name: m for name, m in ends.items() if id(m.weight) not in tied}
+
+
 def tp_replicated_parameters(model: nn.Module) -> int:
     """Parameters tensor parallelism leaves whole on every rank: all but the weights its
-    plan splits (a colwise Linear's weight and bias, a rowwise Linear's weight)."""
+    plan splits (a colwise Linear's weight and bias, a rowwise Linear's weight, the
+    embedding and the output layer)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     plan = require(model, "tensor")
@@ -102,6 +135,8 @@ def tp_replicated_parameters(model: nn.Module) -> int:
             split += module.weight.numel()
             if isinstance(style, ColwiseParallel) and getattr(module, "bias", None) is not None:
                 split += module.bias.numel()
+    for end in split_ends(model, plan).values():
+        split += sum(p.numel() for p in end.parameters())
     return sum(p.numel() for p in model.parameters()) - split
 
 
@@ -118,17 +153,38 @@ def token_positions(positions: torch.Tensor | None, s: int, device) -> torch.Ten
     return positions.to(device)
 
 
-def run_layers(layers: nn.ModuleDict, h, checkpointing: bool = False, **kwargs):
-    """Run ``layers`` in key order; with ``checkpointing`` each block's activations are
-    recomputed in backward instead of kept (Chen et al. 2016, non-reentrant)."""
+def run_layers(layers: nn.ModuleDict, h, checkpointing=False, **kwargs):
+    """Run ``layers`` in key order. ``checkpointing`` (see `checkpointing_kind`): "full"
+    recomputes each block's activations in backward instead of keeping them (Chen et al.
+    2016, non-reentrant), keeping only its input; "selective" keeps every linear layer's
+    output and recomputes only the attention core, softmax(q k^T) v, whose s x s scores
+    are the bulk of a block's activations at long sequences (Korthikanti et al. 2022)."""
     from torch.utils.checkpoint import checkpoint
 
+    kind = checkpointing_kind(checkpointing)
     for key in sorted(layers.keys(), key=int):
         layer = layers[key]
-        if checkpointing and h.requires_grad:
+        if kind == "full" and h.requires_grad:
             h = checkpoint(layer, h, use_reentrant=False, **kwargs)
+        elif kind == "selective" and h.requires_grad:
+            with RecomputedAttention():
+                h = layer(h, **kwargs)
         else:
             h = layer(h, **kwargs)
         if isinstance(h, tuple):  # some decoder layers return (hidden, ...)
             h = h[0]
     return h
+
+
+class RecomputedAttention(TorchFunctionMode):
+    """Runs every ``scaled_dot_product_attention`` inside a checkpoint: its inputs q, k
+    and v are kept, what the attention saves itself is dropped and computed again in
+    backward (selective recomputation, Korthikanti et al. 2022)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(func, *args, use_reentrant=False, **kwargs)
+        return func(*args, **kwargs)

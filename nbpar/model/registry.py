@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from nbpar.checks import about
+from nbpar.checks import about, checkpointing_kind
 from nbpar.errors import ConfigError
 
 BUILTIN = ("simple_cnn", "tiny_gpt", "tiny_moe")
@@ -194,11 +194,7 @@ def check_model_fields(cfg, builtin_datasets: dict) -> None:
             f"{cfg.model!r} with gpt=GPTConfig(...)",
             fields=("model_config", "model"),
         )
-    if not isinstance(cfg.activation_checkpointing, bool):
-        raise ConfigError(
-            f"activation_checkpointing must be True or False, got {cfg.activation_checkpointing!r}",
-            fields=("activation_checkpointing",),
-        )
+    checkpointing_kind(cfg.activation_checkpointing)
     if k == "hf":
         from nbpar.model.hf import family
 

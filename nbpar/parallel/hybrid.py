@@ -106,7 +106,7 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> StepRunner:
 
     def prepare(chunk: nn.Module) -> nn.Module:
         if tp > 1:
-            apply_tp(chunk, mesh["tp"])
+            apply_tp(chunk, mesh["tp"], cfg.sequence_parallel)
         if cp > 1:  # every stage attends over the split sequence, (b, s/cp, d) between
             apply_cp(chunk, mesh["cp"], cfg.attention, seq_len)
         if experts is not None:

@@ -45,14 +45,23 @@ def layer_ranges(n_layers: int, n_stages: int) -> list[range]:
 
 
 def split_stages(
-    model: nn.Module, pp_rank: int, pp_size: int, virtual: int = 1, style: str = "loop"
+    model: nn.Module,
+    pp_rank: int,
+    pp_size: int,
+    virtual: int = 1,
+    style: str = "loop",
+    *,
+    in_place: bool = False,
 ) -> list[nn.Module]:
     """The stage modules of ``pp_rank`` (placed by ``style``, `stage_ids`): copies of
     ``model`` keeping only their part.
 
     The cut follows the model's declared plan (`nbpar.model.plan`): stage 0 keeps
     its ``first`` parts (embeddings), the last stage its ``last`` parts (norm, head);
-    parameter names stay those of the full model. ``model`` is not modified.
+    parameter names stay those of the full model. ``model`` is not modified, unless
+    ``in_place`` (one chunk only): then it is cut itself, as a simulated rank does with
+    the fake model it built for its stage (a copied fake tensor's views do not share its
+    storage, which a memory meter would count as new memory).
     """
     plan = require(model, "pipeline")
     n_layers = len(plan.layers)
@@ -70,9 +79,11 @@ def split_stages(
         )
     keys = sorted(plan.layers.keys(), key=int)
     ranges = layer_ranges(n_layers, n_stages)
+    if in_place and virtual != 1:
+        raise ValueError("split_stages(in_place=True) cuts one chunk; virtual must be 1")
     chunks = []
     for s in stage_ids(pp_rank, pp_size, virtual, style):
-        chunk = copy.deepcopy(model)
+        chunk = model if in_place else copy.deepcopy(model)
         layers = plan_of(chunk).layers
         for i, key in enumerate(keys):
             if i not in ranges[s]:

@@ -4,9 +4,22 @@ that declares a tensor-parallel plan (`nbpar.model.plan`): TinyGPT, hf:llama.
 Each Block's attention and feed-forward are split across the ranks of the
 "tp" mesh dimension: the first linear(s) column-wise (Megatron's ``f``: copy the
 input in, all-reduce its gradient out), the second row-wise (Megatron's ``g``:
-all-reduce the output in forward). Attention is split by heads. Embeddings,
-norms and the head stay replicated; their gradients are identical on every tp
-rank because everything upstream of them is replicated.
+all-reduce the output in forward). Attention is split by heads. The token embedding is
+split by vocabulary rows and the output layer by columns, its logits all-gathered
+(`nbpar.parallel.tensor_ends`): every loss function then takes whole logits, and a
+pipeline stage's output stays a plain tensor, as transformers' ``colwise_gather_output``
+for Llama's ``lm_head``; torchtitan instead keeps the logits split by vocabulary and
+computes the loss under ``loss_parallel``, saving the (b, s, vocab) gather. Position
+embeddings and norms stay replicated; their gradients are identical on every tp rank
+because everything upstream of them is replicated.
+
+Sequence parallelism (Korthikanti et al. 2022) splits what TP leaves replicated along
+the sequence: between sub-layers each rank holds its s/tp tokens, the norms (and
+dropout) run on them, and each TP all-reduce becomes a reduce-scatter out of the
+row-wise layer and an all-gather into the next column-wise ones, which move the same
+bytes (DTensor's ``SequenceParallel`` and the ``Shard(1)`` layouts, as torchtitan's
+``apply_tp``). The embedding reduce-scatters its lookups to this rank's s/tp tokens;
+the last stage's final norm runs on them and the head all-gathers its input.
 """
 
 from __future__ import annotations
@@ -22,6 +35,7 @@ from nbpar.model.plan import check_tp_degree, require
 from nbpar.strategies import reshard_after_forward
 
 from .runner import StepRunner
+from .tensor_ends import apply_ends
 
 
 def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -33,7 +47,7 @@ def check_tp(model: nn.Module, tp: int) -> None:
     check_tp_degree(model, tp)
 
 
-def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
+def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> nn.Module:
     """Split every Block of ``model`` across the 1-D ``tp_mesh`` in place; return it.
 
     Shapes per rank (b batch, s sequence, d model width, f ffn width, tp ranks):
@@ -41,15 +55,27 @@ def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
       wo          Rowwise: (b, s, d/tp) @ (d/tp, d) -> partial (b, s, d), all-reduced
       w1          Colwise: (b, s, d) @ (d, f/tp) -> (b, s, f/tp)
       w2          Rowwise: (b, s, f/tp) @ (f/tp, d) -> partial (b, s, d), all-reduced
+      embedding   ids (b, s) -> partial (b, s, d) from vocab/tp rows, all-reduced
+      head        Colwise: (b, s, d) @ (d, vocab/tp) -> (b, s, vocab/tp), all-gathered
     Outputs are plain local tensors (use_local_output), so Attention's
     ``view(b, s, -1, head_dim)`` sees its local heads and the module code is unchanged.
+    With ``sequence_parallel`` the blocks take and give (b, s/tp, d): wo and w2
+    reduce-scatter to it, the norms run on it, the sub-layers all-gather it back.
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tp needs a 1-D tp mesh, got {tp_mesh.ndim} dims; pass mesh['tp']")
     check_tp(model, tp_mesh.size())
     plan = require(model, "tensor")
+    if sequence_parallel and plan.sp is None:
+        raise ValueError(
+            f"sequence parallelism needs a model that declares its sequence-parallel "
+            f"split: {type(model).__name__} has none (ModelPlan.sp)"
+        )
     for block in plan.layers.values():
-        parallelize_module(block, tp_mesh, plan.tp)
+        parallelize_module(block, tp_mesh, plan.sp if sequence_parallel else plan.tp)
+    apply_ends(model, plan, tp_mesh, sequence_parallel)  # embedding, head, SP's ends
+    if hasattr(model, "sequence_shards"):  # a later stage receives s/tp tokens
+        model.sequence_shards = tp_mesh.size() if sequence_parallel else 1
     return model
 
 
@@ -133,7 +159,7 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> StepRunner:
 
         loss_fn = model_loss(cfg)
     device_type = model_device_type(model)
-    apply_tp(model, mesh["tp"])
+    apply_tp(model, mesh["tp"], cfg.sequence_parallel)
     dp_mesh = mesh["dp"]
     dp_group, fsdp = None, False
     if dp_mesh.size() > 1:

@@ -14,11 +14,11 @@ import types
 __all__ = ["simulate", "what_fits"]
 
 
-def simulate(cfg, world_size: int, *, device_memory_gb: float | None = None):
+def simulate(cfg, world_size: int, *, device_memory_gb: float | None = None, compose: bool = True):
     """See `nbpar.simulate.run.simulate`."""
     from nbpar.simulate.run import simulate as run
 
-    return run(cfg, world_size, device_memory_gb=device_memory_gb)
+    return run(cfg, world_size, device_memory_gb=device_memory_gb, compose=compose)
 
 
 def what_fits(cfg, world_size: int, device_memory_gb: float, **kwargs):

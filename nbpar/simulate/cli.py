@@ -10,7 +10,7 @@ from __future__ import annotations
 from nbpar.strategies import STRATEGIES, resolve_degrees
 
 
-def add_parser(sub, positive_int, positive_float) -> None:
+def add_parser(sub, positive_int, positive_float, add_memory_flags) -> None:
     """Register ``simulate`` on the subparsers ``sub`` of the nbpar command."""
     s = sub.add_parser(
         "simulate",
@@ -39,6 +39,7 @@ def add_parser(sub, positive_int, positive_float) -> None:
         default=None,
         help="hybrid: shard each stage with FSDP2 over dp (ZeRO-3 / ZeRO-2)",
     )
+    add_memory_flags(s)  # --activation-checkpointing [full|selective], --sequence-parallel
     s.add_argument(
         "--device-memory",
         type=positive_float,
@@ -72,6 +73,10 @@ def config(args):
         extra["schedule"] = args.schedule
     if args.fsdp_reshard is not None:
         extra["fsdp_reshard"] = args.fsdp_reshard == "true"
+    if args.activation_checkpointing is not None:
+        extra["activation_checkpointing"] = args.activation_checkpointing
+    if args.sequence_parallel:
+        extra["sequence_parallel"] = True
     return TrainConfig(
         model=args.model,
         strategy=args.strategy,
@@ -103,6 +108,17 @@ def run(args) -> dict:
     return dict(simulate(cfg, args.world_size, device_memory_gb=args.device_memory))
 
 
+def _options(cfg: dict) -> str:
+    """ ", sequence parallel, full activation checkpointing" where they are on."""
+    from nbpar.checks import checkpointing_kind
+
+    words = ["sequence parallel"] if cfg.get("sequence_parallel") else []
+    kind = checkpointing_kind(cfg.get("activation_checkpointing"))
+    if kind is not None:
+        words.append(f"{kind} activation checkpointing")
+    return "".join(f", {w}" for w in words)
+
+
 def human(out: dict) -> str:
     """What ``nbpar simulate`` prints without ``--json``: a table per simulated role, or
     with ``--what-fits`` one row per layout."""
@@ -129,7 +145,8 @@ def human(out: dict) -> str:
     cfg = out["config"]
     head = (
         f"{cfg['strategy']}/{cfg['backend']} {cfg['model']} on {cfg['world_size']} ranks "
-        f"(dp {cfg['dp']} x tp {cfg['tp']} x pp {cfg['pp']}), simulated in {out['seconds']:.1f} s"
+        f"(dp {cfg['dp']} x tp {cfg['tp']} x pp {cfg['pp']}){_options(cfg)}, simulated in "
+        f"{out['seconds']:.1f} s"
     )
     if out.get("fits") is not None:
         head += (
@@ -148,4 +165,8 @@ def human(out: dict) -> str:
             f"{size(r.get('activation_bytes')):>11} {size(r['peak_bytes']):>10} "
             f"{size(r.get('comm_bytes')):>10}"
         )
+    if out.get("fits") is False:
+        from nbpar.simulate.run import why_not
+
+        lines.append(why_not(out["ranks"]))
     return "\n".join(lines)

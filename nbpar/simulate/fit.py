@@ -24,6 +24,7 @@ def candidate_configs(cfg, world_size: int, strategies=DEFAULT_STRATEGIES) -> li
             continue
         c = copy.deepcopy(cfg)
         c.strategy, c.dp, c.tp, c.pp, c.fsdp_reshard = strategy, None, None, None, None
+        c.sequence_parallel = c.sequence_parallel and strategy == "tp"  # needs tp > 1
         if strategy == "pipeline":  # 1F1B needs a micro-batch per stage in flight
             c.grad_accum = max(c.grad_accum, world_size)
         out.append(c)

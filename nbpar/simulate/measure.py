@@ -66,15 +66,16 @@ def warm_up(runner, batches) -> None:
     runner.optimizer_step()
 
 
-def simulate_rank(cfg, dims, rank: int) -> dict:
+def simulate_rank(cfg, dims, rank: int, stages=None) -> list[dict]:
     """Figures of ``rank`` after a warm-up step and one measured step of ``grad_accum``
-    micro-batches."""
+    micro-batches: one row, or with ``stages`` (pipeline stages holding the same module
+    as rank's, its own first) one row per stage, each composed from the step's segments
+    in that stage's schedule order (`nbpar.simulate.segments`)."""
     from nbpar.measure.comm import CommMeter
-    from nbpar.measure.metrics import step_peak_bytes
-    from nbpar.measure.records import model_state_bytes
     from nbpar.model.models import build_model
     from nbpar.simulate.meter import SimMemory
     from nbpar.simulate.runners import make_runner
+    from nbpar.simulate.segments import SegmentMeter
     from nbpar.simulate.world import fake_rank
 
     with fake_rank(rank, dims) as (mesh, _mode):
@@ -82,20 +83,56 @@ def simulate_rank(cfg, dims, rank: int) -> dict:
             model = build_model(cfg)
         except Exception as err:
             raise explain(err, "built", cfg.model) from None
+        # the batches first: a pipeline stage is cut from the model itself
+        batches = [example_batch(cfg, model) for _ in range(cfg.grad_accum)]
         runner = make_runner(model, cfg, mesh, rank)
         runner.set_update_rule(cfg, None)
-        batches = [example_batch(cfg, model) for _ in range(cfg.grad_accum)]
         try:
             warm_up(runner, batches[:1])
             with CommMeter() as comm, SimMemory(runner) as mem:
-                runner.train_step(batches)
+                meter = SegmentMeter(mem, comm) if stages is not None else None
+                if meter is None:
+                    runner.train_step(batches)
+                else:
+                    runner.segments_step(batches, meter)
         except Exception as err:
             raise explain(err, "trained", cfg.model) from None
         if mem.error is not None:
             raise ValueError(f"the memory meter could not follow this step: {mem.error}")
-        out = {"rank": rank, **runner.memory(), **mem.figures()}
-        out["peak_bytes"] = step_peak_bytes(out)
-        out.update(mem.breakdown(model_state_bytes(out)))
-        out.update(comm_bytes=comm.total(), comm_bytes_by_op=comm.by_op())
+        states = runner.memory()
         runner.close()
-        return out
+    if meter is None:
+        figures = {"peak": mem.peak, "saved_peak": mem.saved_peak, "at_peak": mem.at_peak}
+        return [_row(rank, states, {**figures, "sent": comm.bytes_by_op})]
+    per_stage = dims.world_size // dims.pp
+    return [_row(stage * per_stage, states, _composed(cfg, dims, meter, stage)) for stage in stages]
+
+
+def _composed(cfg, dims, meter, stage: int) -> dict:
+    """Pipeline stage ``stage``'s step: the segments replayed in its schedule order."""
+    from nbpar.simulate.segments import compose
+    from nbpar.simulate.stages import schedule_order
+
+    order = schedule_order(cfg.schedule, stage, dims.pp, cfg.grad_accum)
+    return compose(meter.segments, meter.start, order)
+
+
+def _row(rank: int, states: dict, step: dict) -> dict:
+    """A simulated rank's figures, keyed as a real run's (plus the peak's breakdown)."""
+    from nbpar.measure.metrics import step_peak_bytes
+    from nbpar.measure.records import model_state_bytes
+
+    out = {
+        "rank": rank,
+        **states,
+        "tracked_peak_bytes": step["peak"],
+        "activation_bytes": step["saved_peak"],
+    }
+    out["peak_bytes"] = step_peak_bytes(out)
+    acts, comm = step["at_peak"]["activations"], step["at_peak"]["comm"]
+    temp = max(0, step["peak"] - model_state_bytes(out) - acts - comm)
+    out.update(comm_buffer_bytes=comm, temp_bytes=temp)
+    sent = step["sent"]  # as `CommMeter.total` and `CommMeter.by_op` round them
+    by_op = {op: int(round(n)) for op, n in sorted(sent.items())}
+    out.update(comm_bytes=int(round(sum(sent.values()))), comm_bytes_by_op=by_op)
+    return out

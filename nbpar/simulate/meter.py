@@ -4,7 +4,8 @@
 simulated rank and a real one are measured alike) that also follows the storages a
 collective reads or writes (FSDP2's all-gather outputs and reduce-scatter inputs, the
 flat gradient of an all-reduce, pipeline send/recv buffers) while they live, and
-remembers what the peak was made of.
+remembers what the peak was made of. It also meters parts of a step apart (`begin_segment`,
+`end_segment`): how high memory rose in each, for `nbpar.simulate.segments`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class SimMemory(StepMemory):
         self.comm_keys: set[int] = set()
         self.comm = 0
         self.at_peak = {"activations": 0, "comm": 0}
+        self._segment: dict | None = None  # the levels at its start and its highs
         super().__init__(runner)
 
     def _add(self, t, kind: str) -> None:
@@ -36,9 +38,50 @@ class SimMemory(StepMemory):
         super()._resized(t)
         self._note_peak(before)
 
+    def _pack(self, t):
+        out = super()._pack(t)
+        self._note_segment()
+        return out
+
     def _note_peak(self, before: int) -> None:
         if self.peak > before:
             self.at_peak = {"activations": self.saved, "comm": self.comm}
+        self._note_segment()
+
+    def _note_segment(self) -> None:
+        seg = self._segment
+        if seg is None:
+            return
+        if self.live > seg["high"]:
+            seg.update(high=self.live, saved_at=self.saved, comm_at=self.comm)
+        seg["saved_high"] = max(seg["saved_high"], self.saved)
+
+    def begin_segment(self) -> None:
+        """Start metering a part of the step apart (see `end_segment`)."""
+        self._segment = {
+            "live": self.live,
+            "saved": self.saved,
+            "comm": self.comm,
+            "high": self.live,
+            "saved_at": self.saved,
+            "comm_at": self.comm,
+            "saved_high": self.saved,
+        }
+
+    def end_segment(self):
+        """The `nbpar.simulate.segments.Segment` since `begin_segment`."""
+        from nbpar.simulate.segments import Segment
+
+        seg, self._segment = self._segment, None
+        return Segment(
+            rise=seg["high"] - seg["live"],
+            saved_rise=seg["saved_high"] - seg["saved"],
+            saved_at_rise=seg["saved_at"] - seg["saved"],
+            comm_at_rise=seg["comm_at"] - seg["comm"],
+            net=self.live - seg["live"],
+            saved_net=self.saved - seg["saved"],
+            comm_net=self.comm - seg["comm"],
+        )
 
     def _free(self, key: int) -> None:
         if key in self.comm_keys:

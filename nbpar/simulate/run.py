@@ -14,6 +14,7 @@ import time
 from nbpar.checks import positive_int
 from nbpar.estimate import format_bytes
 from nbpar.measure.records import MEMORY_PARTS
+from nbpar.simulate.roles import stage_roles
 
 PRECISIONS = {"fp32": "fp32", "bf16": "bf16", "mixed": "bf16"}  # mixed = bf16 autocast
 
@@ -62,24 +63,33 @@ class Simulation(dict):
                 f"{'yes' if self['fits'] else 'no'}, margin "
                 f"{format_bytes(self['margin_bytes'])}"
             )
+            if not self["fits"]:
+                lines.append(why_not(self["ranks"]))
         return "\n".join(lines)
 
     def __repr__(self) -> str:
         return self.table()
 
 
-def simulate(cfg, world_size: int, *, device_memory_gb: float | None = None) -> Simulation:
+def simulate(
+    cfg, world_size: int, *, device_memory_gb: float | None = None, compose: bool = True
+) -> Simulation:
     """Simulate ``cfg`` on ``world_size`` ranks; per role: params, grads, optimizer state,
     activations, temporaries, communication buffers, peak, ring bytes per step by op
     (what a rank sends under the ring algorithm, counted at the c10d call).
 
     ``device_memory_gb`` (decimal GB, as `nbpar.estimate`) adds ``fits`` and
     ``margin_bytes`` (device memory minus the largest simulated peak).
+
+    A pipeline's stages that hold the same module are simulated once, their steps
+    composed from its segments (`nbpar.simulate.segments`); ``compose=False`` runs every
+    micro-batch on every stage instead: slower, the same figures.
     """
     start = time.perf_counter()
     capacity = None if device_memory_gb is None else capacity_bytes(device_memory_gb)
     cfg, dims = prepare(cfg, world_size)
-    ranks = simulate_ranks(cfg, dims) if dims.pp == 1 else _in_children(cfg, dims)
+    every = stage_roles(cfg, dims, compose)
+    ranks = simulate_ranks(cfg, dims, every) if dims.pp == 1 else _in_children(cfg, dims, every)
     config = {
         **cfg.to_dict(),
         "world_size": world_size,
@@ -93,19 +103,21 @@ def simulate(cfg, world_size: int, *, device_memory_gb: float | None = None) -> 
     return out
 
 
-def simulate_ranks(cfg, dims, chosen=None) -> list[dict]:
-    """One simulated rank per role (or per role in ``chosen``, a part of
-    `nbpar.simulate.roles.roles`), each with the ranks it stands for."""
+def simulate_ranks(cfg, dims, chosen) -> list[dict]:
+    """The rows of the roles ``chosen`` (a part of `nbpar.simulate.roles.stage_roles`),
+    each with the ranks it stands for."""
     from nbpar.simulate.measure import simulate_rank
     from nbpar.simulate.roles import roles
 
+    stands_for = dict(roles(dims))
     return [
-        {**simulate_rank(cfg, dims, rank), "stands_for": stands_for}
-        for rank, stands_for in (roles(dims) if chosen is None else chosen)
+        {**row, "stands_for": stands_for[row["rank"]]}
+        for rank, stages in chosen
+        for row in simulate_rank(cfg, dims, rank, stages)
     ]
 
 
-def _in_children(cfg, dims) -> list[dict]:
+def _in_children(cfg, dims, every) -> list[dict]:
     """`simulate_ranks` in spawned processes, one per core at most, which share the
     roles (a role's figures do not depend on the others) and leave with ``os._exit``.
 
@@ -123,9 +135,6 @@ def _in_children(cfg, dims) -> list[dict]:
 
     import cloudpickle
 
-    from nbpar.simulate.roles import roles
-
-    every = roles(dims)
     n = max(1, min(len(every), os.cpu_count() or 1))
     ctx = multiprocessing.get_context("spawn")
     children = []
@@ -192,6 +201,21 @@ def capacity_bytes(device_memory_gb: float) -> int:
     ):
         raise ValueError(f"device memory must be a positive number of GB, got {device_memory_gb!r}")
     return int(device_memory_gb * 1e9)
+
+
+def why_not(ranks) -> str:
+    """One line: the rank with the largest peak and what its peak was made of."""
+    from nbpar.measure.records import model_state_bytes
+    from nbpar.simulate.roles import describe
+
+    r = max(ranks, key=lambda r: r["peak_bytes"])
+    states, comm, temp = model_state_bytes(r), r["comm_buffer_bytes"], r["temp_bytes"]
+    acts = r["peak_bytes"] - states - comm - temp
+    return (
+        f"ranks {describe(r['stands_for'])} peak at {format_bytes(r['peak_bytes'])}: model "
+        f"states {format_bytes(states)}, activations {format_bytes(acts)}, temporaries "
+        f"{format_bytes(temp)}, communication buffers {format_bytes(comm)}"
+    )
 
 
 def fit_figures(ranks, capacity: int) -> dict:

@@ -8,7 +8,8 @@ the schedule itself: GPipe runs every forward, then every backward (Huang et al.
 1F1B lets stage i run p - i - 1 forwards ahead, then alternates (PipeDream-Flush,
 Narayanan et al. 2019), so stage i holds at most p - i micro-batches. Boundaries are real
 ``dist.send``/``dist.recv`` calls on the fake group, one activation forward and one
-gradient back per micro-batch, so the communication meter counts them.
+gradient back per micro-batch, so the communication meter counts them. `segments_step`
+runs two micro-batches and leaves the rest to `nbpar.simulate.segments.compose`.
 """
 
 from __future__ import annotations
@@ -50,9 +51,11 @@ class StageStep(StepRunner):
         pp_group,
         dp_group=None,
         fsdp: bool = False,
+        sequence_shards: int = 1,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
+        self.sequence_shards = sequence_shards  # tp under sequence parallelism
         self.stage, self.pp, self.schedule, self.pp_group = stage, pp, schedule, pp_group
         self.prev, self.next = rank - stride, rank + stride  # neighbours' global ranks
         self.dp_group, self.fsdp = dp_group, fsdp
@@ -85,25 +88,52 @@ class StageStep(StepRunner):
         self.optimizer.zero_grad(set_to_none=True)
         m, held, losses = len(micro_batches), {}, []
         for kind, i in schedule_order(self.schedule, self.stage, self.pp, m):
-            x, y = micro_batches[i]
             if kind == "F":
-                held[i] = self._forward(self._input(x), y, 1.0 / m)
-                if self.stage == self.pp - 1:
-                    losses.append(held[i][1].detach() * m)
+                self._forward_micro_batch(micro_batches, i, held, losses)
             else:
                 self._backward(*held.pop(i), sync=i == m - 1)
         self.reduce_data_parallel_grads()
         self.optimizer_step()
         return torch.stack(losses).mean() if losses else torch.zeros(())
 
+    def segments_step(self, micro_batches, meter) -> None:
+        """The step metered as segments on ``meter`` (`nbpar.simulate.segments`): its
+        start, the forward and backward of micro-batches 0 and 1, its end; the other
+        micro-batches repeat micro-batch 1 and are left to `segments.compose`."""
+        m, held, losses = len(micro_batches), {}, []
+        with meter.measure("head"):
+            self.optimizer.zero_grad(set_to_none=True)
+        for i in range(min(m, 2)):
+            with meter.measure(("F", i)):
+                self._forward_micro_batch(micro_batches, i, held, losses)
+        for i in range(min(m, 2)):
+            with meter.measure(("B", i)):
+                self._backward(*held.pop(i), sync=i == m - 1)
+        with meter.measure("tail"):
+            self.reduce_data_parallel_grads()
+            self.optimizer_step()
+
+    def _forward_micro_batch(self, micro_batches, i: int, held: dict, losses: list) -> None:
+        """Micro-batch ``i``'s forward; what backward needs is kept in ``held``."""
+        m = len(micro_batches)
+        x, y = micro_batches[i]
+        held[i] = self._forward(self._input(x), y, 1.0 / m)
+        if self.stage == self.pp - 1:
+            losses.append(held[i][1].detach() * m)
+
     def _input(self, tokens):
         """Stage 0 takes the batch; later stages a hidden-state buffer (b, s, d), d the
-        input width of the stage's first linear layer (a block's attention input)."""
+        input width of the stage's first linear layer (a block's attention input); with
+        sequence parallelism (b, s/tp, d), this rank's tokens. The buffer has the
+        parameters' dtype: under autocast the residual stream stays fp32 (the embeddings
+        are not autocast and each residual add promotes), as torch's pipeline infers from
+        the first stage's output."""
         if self.stage == 0:
             return tokens
         d = next(m for m in self.model.modules() if isinstance(m, nn.Linear)).in_features
-        dtype = self.autocast_dtype or torch.float32
-        return torch.empty(*tokens.shape, d, dtype=dtype)
+        b, s = tokens.shape
+        dtype = next(self.model.parameters()).dtype
+        return torch.empty(b, s // self.sequence_shards, d, dtype=dtype)
 
 
 def build_stage_runner(model: nn.Module, cfg, mesh, rank: int) -> StageStep:
@@ -114,9 +144,9 @@ def build_stage_runner(model: nn.Module, cfg, mesh, rank: int) -> StageStep:
 
     pp, dp, tp = mesh["pp"].size(), mesh["dp"].size(), mesh["tp"].size()
     stage = mesh["pp"].get_local_rank()
-    (chunk,) = split_stages(model, stage, pp)
+    (chunk,) = split_stages(model, stage, pp, in_place=True)
     if tp > 1:
-        apply_tp(chunk, mesh["tp"])
+        apply_tp(chunk, mesh["tp"], cfg.sequence_parallel)
     reshard = reshard_after_forward(cfg.strategy, cfg.fsdp_reshard)
     if dp > 1 and reshard is not None:
         _apply_fsdp(chunk, mesh["dp"], reshard)
@@ -134,4 +164,5 @@ def build_stage_runner(model: nn.Module, cfg, mesh, rank: int) -> StageStep:
         pp_group=mesh["pp"].get_group(),
         dp_group=dp_group,
         fsdp=dp > 1 and reshard is not None,
+        sequence_shards=tp if cfg.sequence_parallel else 1,
     )
