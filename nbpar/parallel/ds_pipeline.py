@@ -32,7 +32,7 @@ def pipeline_layers(model: nn.Module, pp: int) -> list[nn.Module]:
     the stage's part cut by the model's declared plan (`nbpar.parallel.pipeline.
     split_stages`: embeddings on the first, norm and head on the last), so any model
     with a plan runs, built-in or from transformers."""
-    from nbpar.parallel.pipeline import split_stages
+    from nbpar.parallel.pipeline_cut import split_stages
 
     return [split_stages(model, stage, pp)[0] for stage in range(pp)]
 

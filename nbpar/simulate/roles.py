@@ -35,7 +35,7 @@ def stage_roles(cfg, dims, compose: bool = True) -> list[tuple[int, list[int] | 
     pipeline, with ``compose`` False, under FSDP2 over dp, or when the config does not
     say the model's layers."""
     from nbpar.model.registry import known_shape
-    from nbpar.parallel.pipeline import layer_ranges
+    from nbpar.parallel.pipeline_cut import layer_ranges
     from nbpar.strategies import reshard_after_forward
 
     per_stage, pp = dims.world_size // dims.pp, dims.pp

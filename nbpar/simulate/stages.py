@@ -1,6 +1,6 @@
 """One pipeline rank's step on fake tensors, in its schedule's order.
 
-The stage is cut exactly as a real run cuts it (`nbpar.parallel.pipeline.split_stages`),
+The stage is cut exactly as a real run cuts it (`nbpar.parallel.pipeline_cut.split_stages`),
 then split Megatron-style over tp (`apply_tp`) and, when ``fsdp_reshard`` is set, sharded
 with FSDP2 over dp, as `nbpar.parallel.hybrid` prepares a stage. torch's schedule objects
 agree on shapes through object collectives a fake group cannot answer, so the step walks
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nbpar.parallel.hybrid import HybridRunner, _apply_fsdp
-from nbpar.parallel.pipeline import split_stages
+from nbpar.parallel.pipeline_cut import split_stages
 from nbpar.parallel.runner import StepRunner
 from nbpar.strategies import reshard_after_forward
 
