@@ -39,6 +39,7 @@ class StageStep(StepRunner):
     """The step of one pipeline rank; ``model`` is its stage module."""
 
     reduce_data_parallel_grads = HybridRunner.reduce_data_parallel_grads
+    grad_sync = None  # expert parallelism's average: MoE models are not simulated
 
     def __init__(
         self,

@@ -197,11 +197,11 @@ nbpar.view.plots.plot_loss_difference(tp_losses, single_losses, labels=("tp=2", 
 # ## What each rank holds and sends
 #
 # Tensor parallelism splits only what the plan splits: in nbpar's plan, the blocks'
-# weight matrices. The embeddings, the norms, the output head and the row-parallel
-# biases stay whole on every rank, which in a model this small is a large share
-# (Megatron-LM also splits the embedding and the output layer along the vocabulary;
-# only norms and row-parallel biases must stay whole). The estimate counts them
-# (`tp_replicated`); Megatron's `Psi / tp` assumes there are none:
+# weight matrices, the token embedding by vocabulary rows (Megatron's
+# VocabParallelEmbedding) and the output layer by columns (its logits gathered, as
+# transformers' own plan does). The position embedding, the norms and the row-parallel
+# biases stay whole on every rank. The estimate counts them (`tp_replicated`);
+# Megatron's `Psi / tp` assumes there are none:
 
 # %%
 from nbpar.comm_estimate import comm_bytes_per_step
@@ -219,25 +219,28 @@ print(f"rank 0 holds {format_bytes(held)} of parameters; estimate "
 assert held == estimate_memory(n, 2, "tp", tp_replicated=whole).per_rank_bytes["params"]
 
 # %% [markdown]
-# And what one step sends, counted at the c10d layer: activation all-reduces only (no
-# gradient all-reduce: the split weights differ per rank, and the whole ones get the
-# same gradient on every rank, since every rank sees the same batch and f and g give
-# each the full activations and input gradients). Megatron's four per block
-# (two forward, two backward) each move `2 (tp-1)/tp` of a `batch x seq x d_model`
+# And what one step sends, counted at the c10d layer: activations only (no gradient
+# all-reduce: the split weights differ per rank, and the whole ones get the same
+# gradient on every rank, since every rank sees the same batch and f and g give each the
+# full activations and input gradients). Megatron's four all-reduces per block (two
+# forward, two backward) each move `2 (tp-1)/tp` of a `batch x seq x d_model`
 # activation; nbpar's separate `wq`, `wk`, `wv` projections each need their input's
-# gradient summed in backward, which adds two per block:
+# gradient summed in backward, which adds two per block. The split ends add one
+# all-reduce of the embedding's partial lookups and one all-gather of the logits:
 
 # %%
 g = nbpar.GPTConfig()
 act = common["micro_batch"] * g.seq_len * g.d_model * 4               # bytes, fp32
 megatron = 4 * g.n_layers * act * 2 * (2 - 1) / 2
 sent = run_tp.result()["ranks"][0]["comm_bytes_by_op"]
+logits = common["micro_batch"] * g.seq_len * g.vocab_size * 4          # bytes, fp32
 model_says = comm_bytes_per_step("tp", param_bytes=0, tp=2, activation_bytes=act,
-                                 layers=g.n_layers)
+                                 layers=g.n_layers, logits_bytes=logits)
 print(f"sent per step by rank 0: {sent}")
-print(f"Megatron's 4 per block: {megatron:.0f} B; with the 2 for separate q, k, v: "
-      f"{model_says:.0f} B")
-assert set(sent) == {"all_reduce"} and abs(sent["all_reduce"] / model_says - 1) < 0.1
+print(f"Megatron's 4 per block: {megatron:.0f} B; with the 2 for separate q, k, v and "
+      f"the split ends: {model_says:.0f} B")
+assert set(sent) == {"all_reduce", "all_gather"}
+assert abs(sum(sent.values()) / model_says - 1) < 0.1
 
 # %% [markdown]
 # ## Exercise: a column- then a row-parallel linear

@@ -134,11 +134,12 @@ psi = 4 * sum(p.numel() for p in nbpar.model.models.build_model(
     nbpar.TrainConfig(**base)).parameters())                    # fp32 bytes of the model
 g = nbpar.GPTConfig()
 act = base["micro_batch"] * g.seq_len * g.d_model * 4
+logits = base["micro_batch"] * g.seq_len * g.vocab_size * 4
 for name, run in runs.items():
     rank0 = run.result()["ranks"][0]
     theory = comm_bytes_per_step(name, param_bytes=psi, dp=1 if name == "tp" else 2,
                                  tp=2 if name == "tp" else 1, backend="torch",
-                                 activation_bytes=act, layers=g.n_layers)
+                                 activation_bytes=act, layers=g.n_layers, logits_bytes=logits)
     ops = ", ".join(f"{op} {format_bytes(b)}" for op, b in rank0["comm_bytes_by_op"].items())
     print(f"{name:6s} sent {format_bytes(rank0['comm_bytes']):>9s} per step ({ops}); "
           f"model {format_bytes(theory)}")

@@ -175,11 +175,11 @@ assert acts == sorted(acts, reverse=True)  # under 1F1B stage i holds p - i micr
 # Each rank holds 1/32 of the decoder-layer parameters: a tp-8 shard of its stage's 20
 # of the 80 layers. The dp replicas all-reduce their gradients (DDP's math), so its
 # states are 16 bytes a parameter of that share. The first stage also keeps the
-# embedding and the last the head, each 1.05B parameters that nbpar leaves whole on
-# every tp rank (it applies transformers' `base_model_tp_plan`, which covers the decoder
-# layers; `LlamaForCausalLM`'s own plan would also split `lm_head` by columns), which is
-# why the end stages hold half again as much as the middle ones. The first stage keeps
-# the most activations: under 1F1B stage i holds p - i micro-batches at once. When the
+# embedding and the last the head, each 1.05B parameters, split over the 8 tp ranks too
+# (the embedding by vocabulary rows, the head by columns, as `LlamaForCausalLM`'s own
+# plan splits `lm_head`), so the end stages hold only a little more than the middle
+# ones. The first stage keeps the most activations: under 1F1B stage i holds p - i
+# micro-batches at once. When the
 # states are the problem, shard over dp as well (`fsdp_reshard=True`, ZeRO-3 on each
 # stage): FSDP2 then splits each stage's parameters, gradients and optimizer state over
 # its 32 dp ranks.
