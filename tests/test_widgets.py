@@ -83,6 +83,7 @@ def test_every_strategy_the_pool_can_run_starts_valid(n):
 def test_controls_that_do_not_apply_are_hidden():
     picker = StrategyPicker(FakePool(2), background=False)
     numbers = {"micro_batch", "grad_accum", "steps"}
+    numbers |= {"activation_checkpointing"}  # tiny_gpt runs its blocks in order
     assert _shown(picker) == {"model", "strategy", "backend", "precision"} | numbers
     _set(picker, strategy="pipeline")
     assert _shown(picker) == {"model", "strategy", "backend", "precision", "schedule"} | numbers
@@ -473,3 +474,19 @@ def test_a_sequence_the_split_does_not_divide_is_explained_before_launch():
         "the model's context length 32 does not divide by 6"
     ]
     assert picker.button.disabled
+
+
+def test_checkpointing_and_sequence_parallelism_are_chosen_where_they_apply():
+    picker = StrategyPicker(FakePool(2), background=False)
+    assert "sequence_parallel" not in _shown(picker)  # ddp: no tensor parallelism
+    _set(picker, strategy="tp")
+    assert "sequence_parallel" in _shown(picker)
+    _set(picker, sequence_parallel=True, activation_checkpointing="selective")
+    cfg = picker.config()
+    assert cfg.sequence_parallel and cfg.activation_checkpointing == "selective"
+    assert picker.problems == []
+    _set(picker, strategy="ddp")  # hidden again: the config does not carry it
+    assert not picker.config().sequence_parallel
+    _set(picker, model="simple_cnn")
+    assert "activation_checkpointing" not in _shown(picker)
+    assert picker.config().activation_checkpointing is False

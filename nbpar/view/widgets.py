@@ -16,8 +16,8 @@ import html
 import traitlets
 
 from nbpar import config as C
-from nbpar.checks import positive_int
-from nbpar.strategies import engines_for, settable_degrees
+from nbpar.checks import checkpointing_kind, positive_int
+from nbpar.strategies import engines_for, settable_degrees, splits
 from nbpar.view import picker_rules as R
 from nbpar.view.dashboard import stop_button
 from nbpar.view.picker_rules import model_options
@@ -77,6 +77,19 @@ class StrategyPicker:
             **{k: pick(k, degrees) for k in R.DEGREES},
             "precision": pick("precision", C.PRECISIONS),
             "offload": pick("offload", C.OFFLOADS),
+            "activation_checkpointing": w.Dropdown(
+                options=[("none", False), ("full", "full"), ("selective", "selective")],
+                value=checkpointing_kind(cfg.activation_checkpointing) or False,
+                description=R.LABELS["activation_checkpointing"],
+                style=_STYLE,
+                layout=w.Layout(width="230px"),
+            ),
+            "sequence_parallel": w.Checkbox(
+                value=cfg.sequence_parallel,
+                description=R.LABELS["sequence_parallel"],
+                style=_STYLE,
+                layout=w.Layout(width="230px"),
+            ),
         }
         box = _number_box_class()
         for name in R.COUNTS:
@@ -125,7 +138,9 @@ class StrategyPicker:
         columns = [
             w.VBox([f[k] for k in ("model", "strategy", "backend", "schedule", "attention")]),
             w.VBox([f[k] for k in (*R.DEGREES, "precision", "offload")]),
-            w.VBox([f[k] for k in R.COUNTS]),
+            w.VBox(
+                [f[k] for k in R.COUNTS] + [f["activation_checkpointing"], f["sequence_parallel"]]
+            ),
         ]
         self.widget = w.VBox(
             [
@@ -161,6 +176,12 @@ class StrategyPicker:
             return name in settable_degrees(strategy, backend)
         if name == "offload":
             return backend == "deepspeed"
+        if name == "activation_checkpointing":  # a model that runs its blocks in order
+            return self.fields["model"].value != "simple_cnn"
+        if name == "sequence_parallel":  # Megatron's: the norms' tokens over the tp ranks
+            return "tp" in splits(strategy, backend) and (
+                strategy == "tp" or (self.fields["tp"].value or 1) > 1
+            )
         return True
 
     def _values(self) -> tuple[dict, list[str]]:
@@ -182,6 +203,10 @@ class StrategyPicker:
             values["schedule"] = C.DEFAULT_SCHEDULE
         if not self.applies("attention"):
             values["attention"] = C.DEFAULT_ATTENTION
+        if not self.applies("sequence_parallel"):
+            values["sequence_parallel"] = False
+        if not self.applies("activation_checkpointing"):
+            values["activation_checkpointing"] = False
         if values["model"] != self._base.model:  # the given sizes, data and loss were its
             values.update(model_config=None, dataset=None, loss=None)
         return values, box_problems
