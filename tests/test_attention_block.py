@@ -3,7 +3,7 @@ the explicit scores that stand in where a device has no flash kernel, and the ad
 of CUDA's flash ops (run here on CPU stand-ins that check every call against the CUDA
 ops' own schemas) each give one process's causal attention, forward and backward, when
 the blocks are merged by their log-sum-exps and each block's backward is given the
-merged output and log-sum-exp."""
+merged output and log-sum-exp. And the ring under autocast attends in autocast's dtype."""
 
 from __future__ import annotations
 
@@ -132,3 +132,37 @@ def test_cpu_blocks_run_on_the_flash_op_and_other_devices_on_explicit_scores():
     meta = q.to("meta")
     assert flash_attention_ops(meta, meta, meta) is None
     assert block_ops(meta, meta, meta) == (explicit_forward, explicit_backward)
+
+
+def test_the_ring_under_autocast_computes_in_its_dtype_like_one_process():
+    """Llama under bf16 autocast: its rotary embedding gives fp32 q and k beside a bf16
+    v. The ring (one rank of a fake group: its own block alone) attends in bf16, as
+    ``scaled_dot_product_attention`` under autocast does, and its backward runs."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from nbpar.parallel.context import ring_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(B, H, 2 * C, D, generator=g), torch.randn(B, KV, 2 * C, D, generator=g)
+    v = torch.randn(B, KV, 2 * C, D, generator=g).bfloat16()
+    grad = torch.randn(B, H, 2 * C, D, generator=g).bfloat16()
+    results = []
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        for attend in (ring_attention, _sdpa):
+            mine = [t.clone().requires_grad_() for t in (q, k, v)]
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = attend(*mine)
+            out.backward(grad)
+            results.append([out, *(t.grad for t in mine)])
+    finally:
+        dist.destroy_process_group()
+    assert results[0][0].dtype == torch.bfloat16
+    for got, want in zip(*results):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+def _sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

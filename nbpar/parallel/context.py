@@ -250,7 +250,21 @@ def ring_attention(q, k, v, group=None, *, seq_len: int | None = None) -> torch.
             f"ring attention: this rank holds {q.shape[-2]} tokens where the zigzag split "
             f"of {seq_len} over cp = {cp} gives {positions.numel()}"
         )
-    return _RingAttention.apply(q, k, v, group)
+    device = q.device.type
+    q, k, v = (t.to(_attention_dtype(q, k, v)) for t in (q, k, v))
+    with torch.autocast(device, enabled=False):  # the ring's ops run in that dtype
+        return _RingAttention.apply(q, k, v, group)
+
+
+def _attention_dtype(q, k, v) -> torch.dtype:
+    """What attention computes in: autocast's dtype where it is on (as
+    ``scaled_dot_product_attention`` does under autocast), else q, k and v's common
+    one. Under autocast Llama's rotary embedding hands back fp32 q and k beside a bf16
+    v, which one kernel cannot take (nor its backward, which runs without autocast)."""
+    device = q.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
 
 
 def context_attention(kind: str, q, k, v, group=None) -> torch.Tensor:
