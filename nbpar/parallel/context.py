@@ -167,7 +167,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        attend, _ = block_ops(q, k, v)
+        attend, ctx.attend_grad = block_ops(q, k, v)  # chosen once, for both passes
         scale = q.shape[-1] ** -0.5
         out = lse = None  # (b, h, s/cp, d), (b, h, s/cp); in lse's dtype (fp32 for bf16)
         block = (k, v)
@@ -202,7 +202,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group = ctx.group
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        _, attend_grad = block_ops(q, k, v)
+        attend_grad = ctx.attend_grad
         scale = q.shape[-1] ** -0.5
         dq = torch.zeros_like(q, dtype=lse.dtype)
         block = (k, v)
