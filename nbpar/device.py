@@ -354,3 +354,57 @@ def peak_flops_hint(name: str | None = None) -> float | None:
         if name and key.lower() in name.lower():
             return tflops * 1e12
     return None
+
+
+def flash_attention_ops(q, k, v):
+    """torch's flash attention kernel for ``q``'s device as a (forward, backward) pair of
+    one block of attention with its log-sum-exp (the interface of
+    `nbpar.parallel.attention_block`): CPU's ``_scaled_dot_product_flash_attention_for_cpu``;
+    CUDA's ``_scaled_dot_product_flash_attention`` where it takes these tensors (fp16 or
+    bf16, Ampere or newer, head dim a multiple of 8; `cuda_flash_pair`). None elsewhere."""
+    import torch
+
+    aten = torch.ops.aten
+    if q.device.type == "cpu":
+        fwd = aten._scaled_dot_product_flash_attention_for_cpu.default
+        bwd = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+        return (
+            lambda q, k, v, causal, scale: fwd(q, k, v, 0.0, causal, scale=scale),
+            lambda g, q, k, v, o, lse, causal, scale: bwd(
+                g, q, k, v, o, lse, 0.0, causal, scale=scale
+            ),
+        )
+    if q.device.type != "cuda" or q.shape[-1] % 8:
+        return None
+    params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, q.shape[1] != k.shape[1])
+    if not torch.backends.cuda.can_use_flash_attention(params):
+        return None
+    return cuda_flash_pair(
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_flash_attention_backward.default,
+    )
+
+
+def cuda_flash_pair(fwd, bwd):
+    """CUDA's flash ops ``fwd``, ``bwd`` as (out, lse) forward and backward, no dropout.
+    Dense inputs: no cumulative sequence lengths (None), the longest sequences are the
+    tensors' own. The dropout generator state backward asks for is never read without
+    dropout; it is made as torch's meta kernel makes the forward's (ROCm: int64 scalars)."""
+    import torch
+
+    def forward(q, k, v, causal, scale):
+        out, lse, *_ = fwd(q, k, v, 0.0, causal, False, scale=scale)
+        return out, lse  # (b, h, sq, d), (b, h, sq) fp32
+
+    def backward(g, q, k, v, out, lse, causal, scale):
+        if torch.version.hip:
+            seed = offset = torch.empty((), dtype=torch.long, device=q.device)
+        else:
+            seed = torch.empty(2, dtype=torch.uint64, device=q.device)
+            offset = torch.empty((), dtype=torch.uint64, device=q.device)
+        dense = (None, None, q.shape[2], k.shape[2])  # cum_seq_q, cum_seq_k, max_q, max_k
+        lse = lse.contiguous()  # the kernel reads it dense
+        grads = bwd(g, q, k, v, out, lse, *dense, 0.0, causal, seed, offset, scale=scale)
+        return grads[:3]
+
+    return forward, backward

@@ -14,10 +14,12 @@ Each rank holds ``s / cp`` tokens of every sequence. Two ways to attend over all
   each block travel with it, ``cp`` dK/dV pairs (the last hop brings them home). With a
   causal mask a contiguous split leaves the last rank the most work, so the tokens are
   dealt in the zigzag order (`zigzag_positions`): rank r holds chunks r and 2cp-1-r of
-  2cp, the same amount of unmasked work on every rank.
+  2cp, the same amount of unmasked work on every rank. Each block is one call of the
+  device's flash kernel (`nbpar.parallel.attention_block`), which gives its output and
+  log-sum-exp and never holds the block's (s/cp x s/cp) scores: a rank holds O(s/cp)
+  a head, as on GPUs (Liu et al.; the zigzag recipe of ring-flash-attention).
 
-Tensors are (batch, heads, local tokens, head dim); ``positions`` are the global
-positions of this rank's tokens, which the causal mask compares. k and v may have fewer
+Tensors are (batch, heads, local tokens, head dim). k and v may have fewer
 heads than q (grouped-query attention, Ainslie et al. 2023: query head i reads key/value
 head i // (h / kv)); the ring then passes the K/V blocks at their own size, and Ulysses
 splits them over the ranks where the cp degree divides their heads, else repeats them to
@@ -30,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from nbpar.parallel.attention_block import block_ops, repeat_heads
 from nbpar.parallel.ring_trace import RingTrace
 
 ATTENTIONS = ("ring", "ulysses")
@@ -117,17 +120,6 @@ def ulysses_attention(q, k, v, group=None, *, causal: bool = True) -> torch.Tens
 # ---- Ring --------------------------------------------------------------------------------
 
 
-def repeat_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
-    """(b, kv, s, d) -> (b, kv * groups, s, d): each key/value head once per query head
-    of its group (transformers' ``repeat_kv``)."""
-    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
-
-
-def _fold_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
-    """(b, kv * groups, s, d) -> (b, kv, s, d): the gradient of `repeat_heads`."""
-    return t if groups == 1 else t.unflatten(1, (-1, groups)).sum(2)
-
-
 def _exchange(tensors, group, rank: int, cp: int) -> tuple[list[torch.Tensor], list]:
     """Send ``tensors`` to the next rank of the ring and start receiving the previous
     rank's: (the tensors being received, the works to wait for)."""
@@ -139,44 +131,59 @@ def _exchange(tensors, group, rank: int, cp: int) -> tuple[list[torch.Tensor], l
     return got, dist.batch_isend_irecv(ops)
 
 
-def _scores(q, k, q_pos, k_pos, scale):
-    """Scores of q against one K block, causally masked by the tokens' global positions.
-    In the zigzag split every block is partly visible to every rank (its second chunk
-    comes after every first chunk), so no block is skipped, and nothing here reads a
-    tensor's values on the host (which fake tensors, `nbpar.simulate`, cannot)."""
-    mask = q_pos[:, None] >= k_pos[None, :]
-    return (q @ k.transpose(-1, -2) * scale).masked_fill(~mask.to(q.device), float("-inf"))
+def _visible(owner: int, rank: int, local: int) -> tuple[slice, slice, bool]:
+    """(this rank's query rows, the block's key rows, causal?) that see each other under
+    the causal mask, when rank ``rank`` holds the K/V block of rank ``owner``. In the
+    zigzag split (chunks r and 2cp-1-r of 2cp) every pair of chunks is wholly visible,
+    wholly hidden or the diagonal, so each step is one call: its own block, causal (the
+    local order keeps the global one); an earlier rank's, every query against its first
+    chunk (its second comes after both of ours); a later rank's, our second chunk against
+    both of its (our first comes before them). Decided by ranks alone, never by a
+    tensor's values on the host (which fake tensors, `nbpar.simulate`, lack)."""
+    every, half = slice(None), local // 2
+    if owner == rank:
+        return every, every, True
+    if owner < rank:
+        return every, slice(0, half), False
+    return slice(half, None), every, False
+
+
+def _merge(out, lse, rows, blk_out, blk_lse) -> None:
+    """Fold a block's output and log-sum-exp over query rows ``rows`` into the running
+    ones, in place (the online softmax: each side weighted by its share of the sum)."""
+    old = lse[:, :, rows]
+    new = torch.logaddexp(old, blk_lse)
+    out[:, :, rows] = (
+        out[:, :, rows] * torch.exp(old - new)[..., None]
+        + blk_out * torch.exp(blk_lse - new)[..., None]
+    )
+    lse[:, :, rows] = new
 
 
 class _RingAttention(torch.autograd.Function):
+    """The ring's forward and backward, each block on `block_ops` (flash where the
+    device has it: nothing the size of a block's scores is held)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, positions, group, seq_len):
+    def forward(ctx, q, k, v, group):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        attend, ctx.attend_grad = block_ops(q, k, v)  # chosen once, for both passes
         scale = q.shape[-1] ** -0.5
-        out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        out = lse = None  # (b, h, s/cp, d), (b, h, s/cp); in lse's dtype (fp32 for bf16)
         block = (k, v)
-        groups = q.shape[1] // k.shape[1]  # query heads per key/value head
         trace = RingTrace.active
         for step in range(cp):
             if step < cp - 1:  # the next block travels while this one is computed
                 posted = trace.mark(q) if trace else None
                 incoming, works = _exchange(block, group, rank, cp)
             begun = trace.mark(q) if trace else None
-            owner = (rank - step) % cp
-            kb, vb = (repeat_heads(t, groups) for t in block)  # (b, h, s/cp, d)
-            s = _scores(q, kb, positions, zigzag_positions(seq_len, cp, owner), scale)
-            blk_lse = torch.logsumexp(s, dim=-1)
-            safe = torch.where(torch.isinf(blk_lse), torch.zeros_like(blk_lse), blk_lse)
-            blk_out = torch.exp(s - safe[..., None]) @ vb
-            new_lse = torch.logaddexp(lse, blk_lse)
-            # the first block is this rank's own, which holds every query's diagonal:
-            # lse is finite from then on, so the weights below are never inf - inf
-            out = (
-                out * torch.exp(lse - new_lse)[..., None]
-                + blk_out * torch.exp(blk_lse - new_lse).nan_to_num(0.0)[..., None]
-            )
-            lse = new_lse
+            rows, keys, causal = _visible((rank - step) % cp, rank, q.shape[2])
+            kb, vb = (t[:, :, keys] for t in block)
+            blk_out, blk_lse = attend(q[:, :, rows], kb, vb, causal, scale)
+            if out is None:  # its own block: every query sees its diagonal, lse finite
+                out, lse = blk_out.to(blk_lse.dtype), blk_lse
+            else:
+                _merge(out, lse, rows, blk_out, blk_lse)
             if trace:
                 trace.add("forward", step, "compute", begun, trace.mark(q))
             if step < cp - 1:
@@ -185,32 +192,32 @@ class _RingAttention(torch.autograd.Function):
                 block = tuple(incoming)
                 if trace:
                     trace.add("forward", step, "transfer", posted, trace.mark(q))
-        ctx.save_for_backward(q, k, v, out, lse, positions)
-        ctx.group, ctx.seq_len = group, seq_len
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group = group
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, positions = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         group = ctx.group
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        attend_grad = ctx.attend_grad
         scale = q.shape[-1] ** -0.5
-        delta = (grad_out * out).sum(dim=-1, keepdim=True)
-        dq = torch.zeros_like(q)
+        dq = torch.zeros_like(q, dtype=lse.dtype)
         block = (k, v)
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)  # of the block held, travelling
-        groups = q.shape[1] // k.shape[1]
         trace = RingTrace.active
         for step in range(cp):
             begun = trace.mark(q) if trace else None
-            owner = (rank - step) % cp
-            kb, vb = (repeat_heads(t, groups) for t in block)
-            s = _scores(q, kb, positions, zigzag_positions(ctx.seq_len, cp, owner), scale)
-            p = torch.exp(s - lse[..., None])
-            dv = dv + _fold_heads(p.transpose(-1, -2) @ grad_out, groups)
-            ds = p * (grad_out @ vb.transpose(-1, -2) - delta)
-            dq = dq + ds @ kb * scale
-            dk = dk + _fold_heads(ds.transpose(-1, -2) @ q * scale, groups)
+            rows, keys, causal = _visible((rank - step) % cp, rank, q.shape[2])
+            g, qr, o, m = (t[:, :, rows] for t in (grad_out, q, out, lse))
+            kb, vb = (t[:, :, keys] for t in block)
+            # the merged out and lse: each block's share of the whole softmax's gradient
+            dq_b, dk_b, dv_b = attend_grad(g, qr, kb, vb, o, m, causal, scale)
+            dq[:, :, rows] += dq_b
+            dk[:, :, keys] += dk_b
+            dv[:, :, keys] += dv_b
             if trace:
                 trace.add("backward", step, "compute", begun, trace.mark(q))
             if cp == 1:
@@ -228,7 +235,7 @@ class _RingAttention(torch.autograd.Function):
                 block, (dk, dv) = tuple(got[:2]), got[2:]
             else:
                 dk, dv = got
-        return dq, dk, dv, None, None, None
+        return dq.to(q.dtype), dk, dv, None
 
 
 def ring_attention(q, k, v, group=None, *, seq_len: int | None = None) -> torch.Tensor:
@@ -243,7 +250,21 @@ def ring_attention(q, k, v, group=None, *, seq_len: int | None = None) -> torch.
             f"ring attention: this rank holds {q.shape[-2]} tokens where the zigzag split "
             f"of {seq_len} over cp = {cp} gives {positions.numel()}"
         )
-    return _RingAttention.apply(q, k, v, positions, group, seq_len)
+    device = q.device.type
+    q, k, v = (t.to(_attention_dtype(q, k, v)) for t in (q, k, v))
+    with torch.autocast(device, enabled=False):  # the ring's ops run in that dtype
+        return _RingAttention.apply(q, k, v, group)
+
+
+def _attention_dtype(q, k, v) -> torch.dtype:
+    """What attention computes in: autocast's dtype where it is on (as
+    ``scaled_dot_product_attention`` does under autocast), else q, k and v's common
+    one. Under autocast Llama's rotary embedding hands back fp32 q and k beside a bf16
+    v, which one kernel cannot take (nor its backward, which runs without autocast)."""
+    device = q.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
 
 
 def context_attention(kind: str, q, k, v, group=None) -> torch.Tensor:
