@@ -1,6 +1,6 @@
 """nbpar DDP vs a plain torchrun script: wall time of the same N steps, in pairs.
 
-    python benchmarks/ddp_vs_torchrun.py --engines 2 --steps 30 --pairs 6
+    python benchmarks/ddp_vs_torchrun.py --engines 2 --steps 30 --pairs 12
 
 One pair: start a pool and warm it with a 2-step run (engine-side modules imported,
 as for any run after the first), time ``pool.train(cfg)`` of N steps from the call
@@ -104,7 +104,7 @@ def main():
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--model", default="tiny_gpt")
-    p.add_argument("--pairs", type=int, default=6)
+    p.add_argument("--pairs", type=int, default=12)
     args = p.parse_args()
     if args.pairs < 5:
         p.error("--pairs: at least 5 (a median of fewer pairs says little on a busy machine)")

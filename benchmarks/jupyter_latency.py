@@ -1,6 +1,6 @@
 """What a person feels from a Jupyter client: nbpar vs raw ipyparallel vs jupyter-distributed.
 
-    python benchmarks/jupyter_latency.py [--starts 6] [--cells 60] [--quick]
+    python benchmarks/jupyter_latency.py [--starts 10] [--cells 60] [--quick]
 
 Real kernels driven by jupyter_client, as a notebook front end drives them: each cell is
 an execute_request on the shell channel, timed from the send to the kernel's status
@@ -306,7 +306,7 @@ def figures(rec: Recorder) -> None:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--starts", type=int, default=6, help="start-ups per side")
+    p.add_argument("--starts", type=int, default=10, help="start-ups per side")
     p.add_argument("--cells", type=int, default=60, help="rounds of cells (values per figure)")
     p.add_argument("--quick", action="store_true", help="a short check: 1 start-up each, 6 rounds")
     args = p.parse_args()
