@@ -14,6 +14,11 @@ over DTensor, gradient all-reduce over dp). Two layouts of transformers' LlamaFo
   FFN 53248, vocabulary 128256) on 16,384 ranks, dp 128 x tp 8 x pp 16, 8,192 tokens, 16
   micro-batches, with sequence parallelism and full activation checkpointing. Targets:
   under 60 s, and every rank's peak under 80 GB.
+- Llama 3 8B at 131,072 tokens on 8 ranks: ring attention over cp 8, FSDP2 over the 8,
+  full activation checkpointing (long context; the peak is the answer, no target but 80 GB).
+- A Mixtral-8x7B-shaped transformers Mixtral (46.7B parameters, 8 experts, 2 a token)
+  on 32 ranks, ep 8 x dp 8 x pp 4, 4 micro-batches of 4,096 tokens, the routing assumed
+  uniform (`nbpar.model.moe.uniform_routing`).
 
 A pipeline's stages that hold the same module are simulated once and each stage's step
 is composed from segments of two micro-batches (`nbpar.simulate.segments`); the
@@ -45,6 +50,26 @@ LLAMA_3_405B = {
     "num_key_value_heads": 8,
     "max_position_embeddings": 8192,
 }
+LLAMA_3_8B = {
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 131072,
+}
+MIXTRAL_8X7B = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 32768,
+}
 FIGURES = (
     "param_bytes",
     "grad_bytes",
@@ -63,14 +88,21 @@ def layouts() -> dict:
     the_70b = dict(dp=32, tp=8, pp=4, grad_accum=4, seq_len=512)
     the_405b = dict(dp=128, tp=8, pp=16, grad_accum=16, seq_len=8192)
     checkpointed = dict(sequence_parallel=True, activation_checkpointing="full")
+    the_8b = dict(dp=1, cp=8, grad_accum=1, seq_len=131072)
+    long = dict(attention="ring", fsdp_reshard=True, activation_checkpointing="full")
+    mixtral = dict(dp=8, ep=8, pp=4, grad_accum=4, seq_len=4096)
     out = {}
-    for name, shape, sizes, world, extra in (
-        ("70B", LLAMA_3_70B, the_70b, 1024, {}),
-        ("405B", LLAMA_3_405B, the_405b, 16384, checkpointed),
+    for name, model, shape, sizes, world, extra in (
+        ("70B", "hf:llama", LLAMA_3_70B, the_70b, 1024, {}),
+        ("405B", "hf:llama", LLAMA_3_405B, the_405b, 16384, checkpointed),
+        ("8B at 128K", "hf:llama", LLAMA_3_8B, the_8b, 8, long),
+        ("Mixtral 8x7B", "hf:mixtral", MIXTRAL_8X7B, mixtral, 32, {}),
     ):
         sizes = dict(sizes)
         gpt = nbpar.GPTConfig(seq_len=sizes.pop("seq_len"))
-        cfg = nbpar.TrainConfig(**common, model_config=shape, gpt=gpt, **sizes, **extra)
+        cfg = nbpar.TrainConfig(
+            **{**common, "model": model}, model_config=shape, gpt=gpt, **sizes, **extra
+        )
         out[name] = cfg, world, {**shape, **sizes, "seq_len": gpt.seq_len, **extra}
     return out
 
@@ -99,7 +131,8 @@ def main():
     cases = layouts()
     rec = Recorder(
         "simulate_scale",
-        "Llama 3 70B on 1,024 and 405B on 16,384 simulated ranks",
+        "Llama 3 70B on 1,024 and 405B on 16,384 simulated ranks; 8B at 128K tokens on "
+        "cp 8 and a Mixtral-8x7B shape on ep 8",
         "One nbpar.simulate call per repeat and layout: one rank per group of pipeline "
         "stages that hold the same module (4 of 4 stages for 70B, 4 of 16 for 405B), in "
         "one process per core, each built, cut and tp-split on fake tensors, warmed up (an "
@@ -107,8 +140,10 @@ def main():
         "metered as segments of 2 micro-batches, composed in each stage's order: 70B dp 32 "
         "x tp 8 x pp 4, 4 micro-batches of 1 x 512 tokens; 405B dp 128 x tp 8 x pp 16, 16 "
         "micro-batches of 1 x 8,192 tokens, sequence parallel, full activation "
-        "checkpointing; wall and CPU time of the call, the processes' peak RSS, every "
-        "rank's simulated peak.",
+        "checkpointing; 8B: one rank for all 8 (cp 8, ring, FSDP2 over the 8, full "
+        "activation checkpointing, 1 x 131,072 tokens, in this process); Mixtral 8x7B: ep 8 "
+        "x dp 8 x pp 4, 4 micro-batches of 1 x 4,096 tokens, routing assumed uniform; wall "
+        "and CPU time of the call, the processes' peak RSS, every rank's simulated peak.",
         repeats=args.repeats,
         measures=[
             "nbpar/simulate",
@@ -116,6 +151,11 @@ def main():
             "nbpar/measure",
             "nbpar/parallel/tensor.py",
             "nbpar/parallel/tensor_ends.py",
+            "nbpar/parallel/expert.py",
+            "nbpar/parallel/cp.py",
+            "nbpar/parallel/context.py",
+            "nbpar/parallel/attention_block.py",
+            "nbpar/model/moe.py",
             "benchmarks/simulate_scale.py",
         ],
         config={name: {"world_size": world, **conf} for name, (_, world, conf) in cases.items()},
@@ -124,6 +164,8 @@ def main():
     targets = {  # wall s, host memory GiB, a rank's peak GB
         "70B": ("1,024", "< 120", "< 8", None),
         "405B": ("16,384", "< 60", None, "< 80"),
+        "8B at 128K": ("8", None, None, "< 80"),
+        "Mixtral 8x7B": ("32", None, None, "< 80"),
     }
     for name, (cfg, world, _) in cases.items():
         ranks, wall, host, peak = targets[name]

@@ -81,8 +81,20 @@ def build_parser() -> Parser:
     e.add_argument("--params", type=positive_float, required=True)
     e.add_argument("--world-size", type=positive_int, required=True)
     e.add_argument("--strategy", choices=STRATEGIES, default="ddp")
-    for dim in ("dp", "tp", "pp"):
+    for dim in ("dp", "tp", "pp", "cp", "ep"):
         e.add_argument(f"--{dim}", type=positive_int, default=None)
+    e.add_argument(
+        "--expert-params",
+        type=non_negative_float,
+        default=0,
+        help="how many of --params are experts' (split over --ep)",
+    )
+    e.add_argument(
+        "--fsdp-reshard",
+        choices=("true", "false"),
+        default=None,
+        help="hybrid or cp: FSDP2 over dp x cp shards every state",
+    )
     e.add_argument("--optimizer", default="adam")
     e.add_argument("--precision", choices=("fp32", "mixed", "bf16", "fp16"), default="fp32")
     e.add_argument("--offload", choices=("none", "optimizer", "params"), default="none")
@@ -190,6 +202,10 @@ def cmd_estimate(args) -> dict:
             dp=args.dp,
             tp=args.tp,
             pp=args.pp,
+            cp=args.cp,
+            ep=args.ep,
+            expert_params=args.expert_params,
+            fsdp_reshard=None if args.fsdp_reshard is None else args.fsdp_reshard == "true",
             optimizer=args.optimizer,
             precision=args.precision,
             offload=args.offload,
@@ -255,11 +271,12 @@ def _human(command: str, out: dict) -> str:
 
 def _human_estimate(out: dict) -> str:
     """Two lines: the layout, then the per-rank model states (and activations)."""
+    from nbpar.dims import layout_words
     from nbpar.estimate import format_bytes
 
     b = out["per_rank_bytes"]
     n = out["world_size"]
-    where = f"{n} rank{'s' * (n != 1)} (dp {out['dp']} x tp {out['tp']} x pp {out['pp']})"
+    where = f"{n} rank{'s' * (n != 1)} ({layout_words(out)})"
     acts = f"activations {format_bytes(b['activations'])}, " if "activations" in b else ""
     return (
         f"{out['strategy']} on {where}, {out['optimizer']}, {out['precision']} precision, "

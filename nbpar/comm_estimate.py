@@ -94,3 +94,73 @@ def comm_bytes_per_step(
         f"no communication model for strategy {strategy!r}; compose hybrid "
         f"layouts from their dimensions"
     )
+
+
+def context_bytes_per_step(
+    attention: str,
+    *,
+    cp: int,
+    layers: int,
+    kv_bytes: float,
+    q_bytes: float | None = None,
+    grad_accum: int = 1,
+    recompute: bool = False,
+) -> float:
+    """Bytes one rank sends for attention over a sequence split in ``cp`` (the
+    gradients' all-reduce over dp x cp comes on top, as `comm_bytes_per_step`'s ddp).
+
+    ``kv_bytes``: one rank's share of k (or of v) in one layer and micro-batch,
+    b * s / cp * kv_heads * head_dim * element size; ``q_bytes`` the same of q and of the
+    attention output (heads instead of kv_heads; default ``kv_bytes``). Ulysses splits
+    heads: where cp does not divide the key/value heads, they are repeated to the query
+    heads before the all-to-all, and ``kv_bytes`` counts those.
+
+    - ring (Liu et al. 2023): the forward passes ``cp - 1`` K/V block pairs on, the
+      backward the same again and ``cp`` pairs of their gradients (the last hop brings
+      them home): 2 kv (2 (cp-1) + cp) per layer; full activation checkpointing runs
+      the forward again in backward, ``cp - 1`` pairs more.
+    - ulysses (Jacobs et al. 2023): four all-to-alls in the forward (q, k, v, output)
+      and four in the backward, each sending (cp-1)/cp of its tensor: 2 (2 q + 2 kv)
+      (cp-1)/cp per layer; recomputation adds the forward's four.
+    """
+    from nbpar.strategies import ATTENTIONS
+
+    _choice("attention", attention, ATTENTIONS)
+    cp, layers = positive_int("cp", cp), positive_int("layers", layers)
+    k = positive_int("grad_accum", grad_accum)
+    q = kv_bytes if q_bytes is None else q_bytes
+    forwards = 2 + bool(recompute)  # passes of the forward's traffic per step
+    if attention == "ring":
+        per_layer = 2 * kv_bytes * (forwards * (cp - 1) + cp)
+    else:
+        per_layer = forwards * (2 * q + 2 * kv_bytes) * (cp - 1) / cp
+    return k * layers * per_layer
+
+
+def expert_bytes_per_step(
+    *,
+    ep: int,
+    moe_layers: int,
+    tokens: int,
+    top_k: int,
+    row_bytes: float,
+    n_experts: int,
+    grad_accum: int = 1,
+    recompute: bool = False,
+) -> float:
+    """All-to-all bytes one rank sends for expert parallelism over ``ep`` ranks, with
+    every expert chosen equally often (the routing `nbpar.simulate` assumes; a real
+    run's follow its measured routing, `tokens_per_expert`).
+
+    Per MoE layer and micro-batch of ``tokens`` tokens: the int64 counts (E of them,
+    (ep-1)/ep sent on), the dispatch (each token's ``top_k`` rows of ``row_bytes``, the
+    (ep-1)/ep bound for other ranks) and the combine (as many rows back), and both again
+    in backward; full activation checkpointing repeats the forward's three.
+    """
+    ep, layers = positive_int("ep", ep), positive_int("moe_layers", moe_layers)
+    k = positive_int("grad_accum", grad_accum)
+    away = (ep - 1) / ep
+    rows = tokens * top_k * away * row_bytes
+    counts = n_experts * 8 * away
+    forwards = 1 + bool(recompute)
+    return k * layers * (forwards * (counts + 2 * rows) + 2 * rows)

@@ -18,6 +18,20 @@ from nbpar.checks import positive_int
 from nbpar.errors import ConfigError
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")
+
+
+def layout_words(degrees: dict) -> str:
+    """ "dp 8 x tp 1 x pp 4", then " x cp 2 (ring)" and ", ep 8" where they split: the
+    degrees of a result's config, estimate or what-fits row, for people."""
+    out = f"dp {degrees['dp']} x tp {degrees['tp']} x pp {degrees['pp']}"
+    if (degrees.get("cp") or 1) > 1:
+        attention = degrees.get("attention")
+        out += f" x cp {degrees['cp']}" + (f" ({attention})" if attention else "")
+    if (degrees.get("ep") or 1) > 1:
+        out += f", ep {degrees['ep']}"
+    return out
+
+
 #: the dimensions a layout has a degree for (ep is carved out of dp)
 DIMS = ("dp", "tp", "pp", "cp", "ep")
 

@@ -100,7 +100,7 @@ def activation_bytes_per_layer(
     return s * b * h * (replicated + (sharded + scores) / tp)
 
 
-def _activations(spec, tp: int, pp: int, element_bytes: int) -> float:
+def _activations(spec, tp: int, pp: int, element_bytes: int, cp: int = 1) -> float:
     """The activations of one stage: Korthikanti et al.'s per-layer bytes, 34*s*b*h +
     5*a*s^2*b without recomputation, 34*s*b*h with selective recomputation, 2*s*b*h (the
     16-bit layer input) with full recomputation plus one layer rebuilt in backward; all
@@ -121,6 +121,9 @@ def _activations(spec, tp: int, pp: int, element_bytes: int) -> float:
     in_flight = positive_int("activations['in_flight']", spec.get("in_flight", 1))
     if v["layers"] < pp:
         raise ValueError(f"activations['layers']={v['layers']} must be >= pp={pp}.")
+    if v["seq_len"] % cp:
+        raise ValueError(f"activations['seq_len']={v['seq_len']} must be divisible by cp={cp}.")
+    v["seq_len"] //= cp  # each cp rank holds its own tokens
     sp = bool(spec.get("sequence_parallel", True))
     kind = checkpointing_kind(spec.get("recompute", False))
     shape = (v["batch"], v["seq_len"], v["hidden"], v["heads"])
@@ -167,6 +170,10 @@ def estimate_memory(
     tp_replicated: float = 0,
     param_sizes: Sequence[int] | None = None,
     dp_rank: int = 0,
+    cp: int | None = None,
+    ep: int | None = None,
+    expert_params: float = 0,
+    fsdp_reshard: bool | None = None,
 ) -> MemoryEstimate:
     """Bytes each rank holds for parameters, gradients, optimizer states (and activations).
 
@@ -192,6 +199,15 @@ def estimate_memory(
     the module's order) and ``dp_rank``: with DeepSpeed ZeRO-1/2 (no offload, tp = pp = 1)
     the gradients data-parallel rank ``dp_rank`` holds are the whole of every parameter
     its partition touches (`nbpar.ds_partition`), not Psi / dp.
+
+    Context parallelism (``cp``) splits every sequence: a rank keeps the activations of
+    seq_len / cp tokens, and the cp ranks are data-parallel ranks for the parameters
+    (their gradients averaged over dp x cp, FSDP2 over dp x cp where ``fsdp_reshard`` is
+    given, as torchtitan composes them). Expert parallelism (``ep``): ``expert_params``
+    of the ``params`` are the experts', each rank holds expert_params / ep of them per
+    stage, whole on every tensor-parallel rank (as nbpar's MoE plans keep them);
+    ``tp_replicated`` counts the other parameters tp leaves whole. ``fsdp_reshard`` (any
+    value) shards every state over dp x cp, as FSDP2 does in a hybrid or cp run.
     """
     params = count_parameters(params) if hasattr(params, "parameters") else params
     if (
@@ -206,9 +222,11 @@ def estimate_memory(
     _choice("strategy", strategy, STRATEGIES)
     check_offload(offload, strategy)
     p_b, g_b, o_b = bytes_per_param(optimizer, precision)
-    dims = resolve_degrees(strategy, world_size, dp, tp, pp)
-    dp, tp, pp = dims.dp, dims.tp, dims.pp
+    dims = resolve_degrees(strategy, world_size, dp, tp, pp, cp, ep)
+    dp, tp, pp, cp, ep = dims.dp, dims.tp, dims.pp, dims.cp, dims.ep
     stage = ZERO_STAGE.get(strategy, 0)
+    if fsdp_reshard is not None and strategy in ("hybrid", "cp"):
+        stage = 3  # FSDP2 shards parameters, gradients and optimizer state alike
     if backend not in (None, *BACKENDS):
         raise ValueError(f"backend must be None or one of {', '.join(BACKENDS)}, got {backend!r}.")
     shard = {"params": stage >= 3, "grads": stage >= 2, "optim": stage >= 1}
@@ -226,13 +244,25 @@ def estimate_memory(
         raise ValueError(
             f"tp_replicated must be a number of parameters in [0, params], got {tp_replicated!r}."
         )
+    if (
+        isinstance(expert_params, bool)
+        or not isinstance(expert_params, Real)
+        or not 0 <= expert_params <= params - tp_replicated
+    ):
+        raise ValueError(
+            f"expert_params must be a number of parameters in [0, params - tp_replicated], "
+            f"got {expert_params!r}."
+        )
     # Megatron splits the blocks' weight matrices over tp; what it does not split
-    # (embeddings, norms, the output head, row-parallel biases) every tp rank holds whole
-    psi = ((params - tp_replicated) / tp + tp_replicated) / pp
+    # (embeddings, norms, the output head, row-parallel biases) every tp rank holds whole;
+    # the experts divide over ep instead
+    dense = params - tp_replicated - expert_params
+    psi = (dense / tp + tp_replicated + expert_params / ep) / pp
+    data = dp * cp  # the ranks that average (or shard) the same parameters
     nbytes = {
-        "params": p_b * psi / (dp if shard["params"] else 1),
-        "grads": g_b * psi / (dp if shard["grads"] else 1),
-        "optim": o_b * psi / (dp if shard["optim"] else 1),
+        "params": p_b * psi / (data if shard["params"] else 1),
+        "grads": g_b * psi / (data if shard["grads"] else 1),
+        "optim": o_b * psi / (data if shard["optim"] else 1),
     }
     if param_sizes is not None:
         if sum(param_sizes) != params:
@@ -243,14 +273,14 @@ def estimate_memory(
     host = sum(nbytes[key] for key in moved)
     nbytes.update({key: 0.0 for key in moved})
     if activations is not None:  # activations are kept in the compute dtype
-        nbytes["activations"] = _activations(activations, tp, pp, p_b)
+        nbytes["activations"] = _activations(activations, tp, pp, p_b, cp)
     nbytes["total"] = sum(nbytes.values())
     if offload != "none":
         nbytes["host"] = host
     return MemoryEstimate(
         per_rank_bytes=nbytes,
         params=params,
-        world_size=dp * tp * pp,
+        world_size=dp * tp * pp * cp,
         strategy=strategy,
         dp=dp,
         tp=tp,
@@ -260,6 +290,8 @@ def estimate_memory(
         precision=precision,
         offload=offload,
         activations=None if activations is None else dict(activations),
+        cp=cp,
+        ep=ep,
     )
 
 
@@ -271,9 +303,11 @@ def estimate_config(
     tp_replicated: float = 0,
     param_sizes: Sequence[int] | None = None,
     dp_rank: int = 0,
+    expert_params: float = 0,
 ) -> MemoryEstimate:
     """`estimate_memory` for a TrainConfig's run on ``world_size`` engines: its degrees
-    (`TrainConfig.dims`), optimizer, offload and backend; bf16 and fp16 count as mixed."""
+    (`TrainConfig.dims`, cp and ep included), optimizer, offload, backend and
+    ``fsdp_reshard``; bf16 and fp16 count as mixed."""
     dims = cfg.dims(world_size)
     return estimate_memory(
         params,
@@ -289,6 +323,10 @@ def estimate_config(
         tp_replicated=tp_replicated,
         param_sizes=param_sizes,
         dp_rank=dp_rank,
+        cp=dims.cp,
+        ep=dims.ep,
+        expert_params=expert_params if dims.ep > 1 else 0,
+        fsdp_reshard=cfg.fsdp_reshard,
     )
 
 
@@ -321,6 +359,8 @@ class MemoryEstimate:
     precision: str
     offload: str
     activations: dict | None = None
+    cp: int = 1
+    ep: int = 1
 
     def to_json(self) -> dict:
         """A JSON-ready dict: {"per_rank_bytes": {...}, "strategy": ..., ...}."""
@@ -332,6 +372,8 @@ class MemoryEstimate:
             "dp",
             "tp",
             "pp",
+            "cp",
+            "ep",
             "zero_stage",
             "optimizer",
             "precision",
@@ -345,7 +387,10 @@ class MemoryEstimate:
     def _title(self) -> str:
         return (
             f"{self.params / 1e9:g}B params, {self.strategy} (ZeRO stage {self.zero_stage}), "
-            f"dp={self.dp} tp={self.tp} pp={self.pp}, {self.optimizer}, {self.precision}"
+            f"dp={self.dp} tp={self.tp} pp={self.pp}"
+            + (f" cp={self.cp}" if self.cp > 1 else "")
+            + (f" ep={self.ep}" if self.ep > 1 else "")
+            + f", {self.optimizer}, {self.precision}"
             + (f", offload={self.offload}" if self.offload != "none" else "")
         )
 

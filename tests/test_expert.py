@@ -216,10 +216,28 @@ def test_expert_bytes_per_rank_fall_with_ep(runs):
     assert full - held == GPT["n_layers"] * (EXPERTS - 1) * one * 4
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "ep"])
-def test_simulating_a_mixture_of_experts_is_refused_in_one_line(strategy):
-    import nbpar
+def test_a_simulated_mixture_of_experts_routes_uniformly_and_what_fits_lists_ep(capsys):
+    """Fake tensors have no routing: a simulation sends each expert T k / E rows, so an
+    ep rank holds E / ep of the experts and sends what uniform routing sends; --cp and
+    --ep reach the simulation from the command line, and what-fits lists ep layouts."""
+    import json
 
-    with pytest.raises(ValueError, match="tiny_moe cannot be simulated: how many tokens") as err:
-        nbpar.simulate(TrainConfig(model="tiny_moe", strategy=strategy), world_size=2)
-    assert "\n" not in str(err.value)
+    import nbpar
+    from nbpar.cli import main
+
+    gpt = nbpar.GPTConfig(**GPT)
+    whole = nbpar.simulate(TrainConfig(model="tiny_moe", strategy="ddp", gpt=gpt), 4)
+    split = nbpar.simulate(TrainConfig(model="tiny_moe", strategy="ep", gpt=gpt), 4)
+    (ddp,), (ep,) = whole["ranks"], split["ranks"]
+    d = GPT["d_model"]
+    one = 2 * (4 * d * d) + 4 * d + d  # an expert's parameters
+    assert ddp["param_bytes"] - ep["param_bytes"] == GPT["n_layers"] * (EXPERTS - 1) * one * 4
+    assert "all_to_all" not in ddp["comm_bytes_by_op"] and split["config"]["ep"] == 4
+    argv = ["simulate", "--model", "tiny_moe", "--model-config", json.dumps(GPT)]
+    assert main([*argv, "--strategy", "hybrid", "--world-size", "4", "--dp", "4", "--ep", "2",
+                 "--json"]) == 0  # fmt: skip
+    res = json.loads(capsys.readouterr().out)
+    assert (res["config"]["dp"], res["config"]["ep"]) == (4, 2)
+    assert main([*argv, "--world-size", "4", "--device-memory", "1", "--what-fits"]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[2:]}
+    assert rows["ep"][1:6] == ["4", "1", "1", "1", "4"] and "yes" in rows["ep"]

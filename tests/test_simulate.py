@@ -301,3 +301,80 @@ def test_zero3_activations_are_those_of_ddp_once_fsdp_frees_gathered_weights():
         ddp["activation_bytes"] <= zero3["activation_bytes"] < ddp["activation_bytes"] + 2 * block
     )
     assert zero3["peak_bytes"] < ddp["peak_bytes"]
+
+
+LLAMA = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    max_position_embeddings=4096,
+)
+
+
+@pytest.mark.parametrize(
+    "attention, kv_heads, cp, recompute",
+    [
+        ("ring", 2, 4, False),
+        ("ring", 2, 4, True),
+        ("ulysses", 2, 2, False),
+        ("ulysses", 2, 4, False),  # cp does not divide 2 heads: k, v repeated to 8
+        ("ulysses", 8, 4, True),
+    ],
+)
+def test_simulated_context_parallel_bytes_follow_their_formula(attention, kv_heads, cp, recompute):
+    from nbpar.comm_estimate import context_bytes_per_step
+
+    b, s, head_dim = 2, 256, 32
+    cfg = nbpar.TrainConfig(
+        model="hf:llama",
+        model_config={**LLAMA, "num_key_value_heads": kv_heads},
+        strategy="cp",
+        cp=cp,
+        attention=attention,
+        activation_checkpointing="full" if recompute else None,
+        micro_batch=b,
+        gpt=nbpar.GPTConfig(seq_len=s),
+    )
+    (rank,) = nbpar.simulate(cfg, cp)["ranks"]
+    moved = kv_heads if attention == "ring" or kv_heads % cp == 0 else 8
+    want = context_bytes_per_step(
+        attention,
+        cp=cp,
+        layers=4,
+        kv_bytes=b * s // cp * moved * head_dim * 4,
+        q_bytes=b * s // cp * 8 * head_dim * 4,
+        recompute=recompute,
+    )
+    op = "send_recv" if attention == "ring" else "all_to_all"
+    assert rank["comm_bytes_by_op"][op] == want
+
+
+@pytest.mark.parametrize("ep, recompute", [(2, False), (4, False), (4, True)])
+def test_simulated_expert_bytes_follow_uniform_routing(ep, recompute):
+    from nbpar.comm_estimate import expert_bytes_per_step
+
+    gpt = nbpar.GPTConfig(d_model=32, n_heads=4, n_layers=2, seq_len=16)
+    moe = nbpar.MoEConfig(n_experts=4, top_k=2)
+    cfg = nbpar.TrainConfig(
+        model="tiny_moe",
+        strategy="ep",
+        gpt=gpt,
+        moe=moe,
+        micro_batch=2,
+        grad_accum=2,
+        activation_checkpointing="full" if recompute else None,
+    )
+    (rank,) = nbpar.simulate(cfg, ep)["ranks"]
+    want = expert_bytes_per_step(
+        ep=ep,
+        moe_layers=2,
+        tokens=2 * 16,
+        top_k=2,
+        row_bytes=32 * 4,
+        n_experts=4,
+        grad_accum=2,
+        recompute=recompute,
+    )
+    assert rank["comm_bytes_by_op"]["all_to_all"] == pytest.approx(want, abs=ep)

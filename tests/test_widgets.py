@@ -337,8 +337,10 @@ def test_fit_picker_lists_the_layouts_that_fit_with_their_margin():
     picker.fields["seq_len"].value = 16
     rows = picker.simulate()
     by = {r["strategy"]: r for r in rows}
-    assert set(by) == {"ddp", "zero1", "zero2", "zero3", "pipeline", "tp"}
+    # context parallelism splits the sequence of this language model; no experts, no ep
+    assert set(by) == {"ddp", "zero1", "zero2", "zero3", "pipeline", "tp", "cp"}
     assert "tp=2 must divide" in by["tp"]["error"]  # 3 heads: refused with the reason
+    assert by["cp"]["cp"] == 2 and by["cp"]["activation_bytes"] < by["ddp"]["activation_bytes"]
     peaks = sorted(r["peak_bytes"] for r in rows if "error" not in r)
     assert peaks[0] < peaks[-1] and by["zero3"]["peak_bytes"] < by["ddp"]["peak_bytes"]
     # a device between the smallest and the largest peak: exactly those below it fit

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 _COUNTING = [True]  # off while a pipeline stage infers its shapes (`routing_paused`)
+_ASSUMED = [False]  # on inside `uniform_routing` (a simulation on fake tensors)
 
 
 class TopKRouter(nn.Module):
@@ -71,7 +72,7 @@ class Experts(nn.Module):
         included), so each keeps a gradient (zeros where unused) every step."""
         out = torch.zeros_like(hidden)
         for e in range(self.num_experts):
-            token, slot = torch.where(top_k_index == e)  # (n_e,) each
+            token, slot = assigned(top_k_index, e, self.num_experts)  # (n_e,) each
             x = hidden[token]  # (n_e, d)
             y = F.linear(F.gelu(F.linear(x, self.w1[e], self.b1[e])), self.w2[e], self.b2[e])
             weight = top_k_weights[token, slot, None].to(y.dtype)  # (n_e, 1)
@@ -120,13 +121,95 @@ def moe_loss(output, targets: torch.Tensor) -> torch.Tensor:
     return lm + aux.float().mean()
 
 
+# ---- the routing a simulation assumes -------------------------------------------------
+
+
+@contextlib.contextmanager
+def uniform_routing():
+    """Inside, experts take an assumed routing instead of the router's choices: of a
+    step's T k token-to-expert assignments (token-major), assignment r goes to expert
+    r mod E, so each expert gets T k / E rows (one more or less). Fake tensors
+    (`nbpar.simulate`) have shapes and no values, and how many tokens each expert gets
+    is data; the balanced routing the load-balancing loss aims at is what a simulation
+    can stand behind. A real run's imbalance makes its busiest expert rank hold and
+    send more (the routing figures of a real run say how much)."""
+    _ASSUMED[0] = True
+    try:
+        yield
+    finally:
+        _ASSUMED[0] = False
+
+
+def routing_assumed() -> bool:
+    """Whether experts take `uniform_routing`'s assignment now."""
+    return _ASSUMED[0]
+
+
+def assigned(top_k_index: torch.Tensor, e: int, num_experts: int):
+    """(token, slot) of the rows expert ``e`` gets from the (T, k) chosen experts: where
+    the router chose it, or under `uniform_routing` every E-th assignment from ``e``."""
+    if not _ASSUMED[0]:
+        return torch.where(top_k_index == e)
+    t, k = top_k_index.shape
+    rows = torch.arange(e, t * k, num_experts, device=top_k_index.device)
+    return rows // k, rows % k
+
+
+def uniform_counts(assignments: int, num_experts: int) -> list[int]:
+    """Rows per expert under `uniform_routing` for ``assignments`` (T k) rows."""
+    return [len(range(e, assignments, num_experts)) for e in range(num_experts)]
+
+
+def stacked_swiglu_forward(self, hidden, top_k_index, top_k_weights) -> torch.Tensor:
+    """transformers' experts with stacked ``gate_up_proj`` (E, 2f, d) and ``down_proj``
+    (E, d, f) (Mixtral's), their eager loop with `assigned` rows: what a simulation puts
+    in place of a forward that asks which experts were hit (data)."""
+    out = torch.zeros_like(hidden)
+    for e in range(self.num_experts):
+        token, slot = assigned(top_k_index, e, self.num_experts)
+        gate, up = F.linear(hidden[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+        y = F.linear(self.act_fn(gate) * up, self.down_proj[e])
+        y = y * top_k_weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
+
+
+def assume_uniform_routing(model: nn.Module) -> nn.Module:
+    """Give every stacked-SwiGLU experts module of ``model`` (transformers' Mixtral) the
+    forward `stacked_swiglu_forward`, in place, by a subclass of its own class (no
+    method bound on the instance: that is a reference cycle, and fake tensors freed by
+    the cyclic collector crashed later steps); tiny_moe's experts follow
+    `uniform_routing` themselves."""
+    for m in model.modules():
+        if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj") and hasattr(m, "num_experts"):
+            m.__class__ = _uniform_class(type(m))
+    return model
+
+
+_UNIFORM: dict[type, type] = {}
+
+
+def _uniform_class(cls: type) -> type:
+    """``cls`` with `stacked_swiglu_forward` as its forward, under the same name."""
+    if cls in _UNIFORM.values():
+        return cls
+    if cls not in _UNIFORM:
+        _UNIFORM[cls] = type(cls.__name__, (cls,), {"forward": stacked_swiglu_forward})
+    return _UNIFORM[cls]
+
+
 # ---- routing counters: tokens per expert per layer, read once per step -----------------
 
 
 def count_routed(module: nn.Module, index: torch.Tensor) -> None:
     """Add the (T, k) expert ids of one forward to ``module.routed`` ((E,) counts): not
     while a checkpointed block recomputes in backward, nor for a stage's shape probe."""
-    if not _COUNTING[0] or index.device.type == "meta" or torch._C._current_graph_task_id() != -1:
+    if (
+        not _COUNTING[0]
+        or _ASSUMED[0]
+        or index.device.type == "meta"
+        or torch._C._current_graph_task_id() != -1
+    ):
         return
     counts = torch.bincount(index.detach().reshape(-1), minlength=module.num_experts)
     previous = getattr(module, "routed", None)

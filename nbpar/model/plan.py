@@ -140,6 +140,19 @@ def tp_replicated_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters()) - split
 
 
+def expert_parameter_count(model: nn.Module) -> int:
+    """Parameters of the experts modules the model's plan names (`ModelPlan.experts`),
+    those expert parallelism shares out; 0 for a model without experts."""
+    plan = plan_of(model)
+    if plan is None or plan.experts is None:
+        return 0
+    return sum(
+        p.numel()
+        for block in plan.layers.values()
+        for p in block.get_submodule(plan.experts).parameters()
+    )
+
+
 def token_positions(positions: torch.Tensor | None, s: int, device) -> torch.Tensor:
     """The global positions of ``s`` tokens: ``positions`` where context parallelism set
     them (their count must be ``s``), else 0..s-1."""

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nbpar.measure.holdings import local_tensor, tensor_bytes
+from nbpar.model.moe import routing_assumed, uniform_counts
 from nbpar.model.plan import require
 
 from .runner import StepRunner
@@ -51,17 +52,22 @@ class _AllToAll(torch.autograd.Function):
 
 def _local_experts(experts: nn.Module, lo: int, hi: int) -> nn.Module:
     """A copy of ``experts`` holding experts ``lo:hi`` only: every parameter stacked
-    expert first is sliced, and it counts ``hi - lo`` experts."""
-    local = copy.deepcopy(experts)
+    expert first is sliced, and it counts ``hi - lo`` experts. The whole weights are
+    not copied on the way (deepcopy is told they are None)."""
     n = experts.num_experts
-    for module in local.modules():
-        for name, p in list(module.named_parameters(recurse=False)):
-            if p.dim() == 0 or p.shape[0] != n:
-                raise ValueError(
-                    f"expert parallelism needs every expert weight stacked expert first: "
-                    f"{type(experts).__name__}.{name} has shape {tuple(p.shape)}, not ({n}, ...)"
-                )
-            setattr(module, name, nn.Parameter(p.detach()[lo:hi].clone()))
+    held = [
+        (m, name, p) for m in experts.modules() for name, p in m.named_parameters(recurse=False)
+    ]
+    for _, name, p in held:
+        if p.dim() == 0 or p.shape[0] != n:
+            raise ValueError(
+                f"expert parallelism needs every expert weight stacked expert first: "
+                f"{type(experts).__name__}.{name} has shape {tuple(p.shape)}, not ({n}, ...)"
+            )
+    local = copy.deepcopy(experts, {id(p): None for _, _, p in held})
+    copies = dict(zip(experts.modules(), local.modules()))
+    for m, name, p in held:
+        setattr(copies[m], name, nn.Parameter(p.detach()[lo:hi].clone()))
     local.num_experts = hi - lo
     return local
 
@@ -89,18 +95,37 @@ class ShardedExperts(nn.Module):
         t, k = top_k_index.shape
         flat = top_k_index.reshape(-1)  # (T k,) one row per token-expert assignment
         order = flat.argsort(stable=True)  # rows grouped by expert, so by rank
-        counts = torch.bincount(flat, minlength=self.num_experts)  # (E,)
+        assumed = routing_assumed()  # a simulation: the counts are data it does not have
+        counts = (
+            flat.new_zeros(self.num_experts)
+            if assumed
+            else torch.bincount(flat, minlength=self.num_experts)
+        )  # (E,)
         got = self._exchange_counts(counts)  # (ep, E/ep): rows from each rank per expert
-        send = counts.view(self.ep, self.per_rank).sum(1).tolist()
-        recv = got.sum(1).tolist()
+        if assumed:
+            send, recv = self._uniform_splits(t * k)
+            ids = torch.zeros(sum(recv), dtype=torch.long, device=flat.device)
+        else:
+            send = counts.view(self.ep, self.per_rank).sum(1).tolist()
+            recv = got.sum(1).tolist()
+            ids = torch.arange(self.per_rank, device=flat.device).repeat(self.ep)
+            ids = ids.repeat_interleave(got.reshape(-1))  # (R,) the local expert of each row
         rows = _AllToAll.apply(hidden[order // k], recv, send, self.group)  # (R, d)
-        ids = torch.arange(self.per_rank, device=flat.device).repeat(self.ep)
-        ids = ids.repeat_interleave(got.reshape(-1))  # (R,) the local expert of each row
         ones = torch.ones(len(ids), 1, dtype=top_k_weights.dtype, device=ids.device)
         out = self.local(rows, ids[:, None], ones)  # (R, d) each row through its expert
         back = _AllToAll.apply(out, send, recv, self.group)  # (T k, d) in `order`
         back = back[order.argsort()].view(t, k, -1)  # (T, k, d) in assignment order
         return (back * top_k_weights[..., None].to(back.dtype)).sum(1)  # (T, d)
+
+    def _uniform_splits(self, assignments: int) -> tuple[list[int], list[int]]:
+        """Rows sent to and received from each rank under `uniform_routing` (every
+        rank routes alike); the local experts then share the rows received in turn."""
+        per_expert = uniform_counts(assignments, self.num_experts)
+        send = [
+            sum(per_expert[r * self.per_rank : (r + 1) * self.per_rank]) for r in range(self.ep)
+        ]
+        mine = sum(per_expert[self.first : self.first + self.per_rank])
+        return send, [mine] * self.ep
 
     def _exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """Each rank's counts for this rank's experts: (E,) -> (ep, E / ep)."""

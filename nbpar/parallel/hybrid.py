@@ -102,7 +102,7 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> StepRunner:
     data = data_mesh(mesh)  # every dp (x cp) rank: where the gradients are averaged
     seq_len = cfg.gpt.seq_len
 
-    experts = _expert_sync(cfg, mesh)
+    experts = expert_sync(cfg, mesh)
 
     def prepare(chunk: nn.Module) -> nn.Module:
         if tp > 1:
@@ -132,7 +132,7 @@ def build_runner(model: nn.Module, cfg, mesh, *, loss_fn=None) -> StepRunner:
     return runner
 
 
-def _expert_sync(cfg, mesh):
+def expert_sync(cfg, mesh):
     """Where ep > 1: what shares out each stage's experts and averages the gradients
     (`expert.ExpertSplit`); else None."""
     if not cfg.ep or cfg.ep == 1:

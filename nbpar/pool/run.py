@@ -205,19 +205,22 @@ class Run:
         parameter, `nbpar.ds_partition`)."""
         from nbpar.estimate import estimate_config
         from nbpar.model.models import build_model
-        from nbpar.model.plan import tp_replicated_parameters
+        from nbpar.model.plan import expert_parameter_count, tp_replicated_parameters
 
         world = len(self.ranks)
         dims = self.cfg.dims(world)
         if self._model_counts is None:  # built once: a run's estimate per rank is cheap
             model = build_model(self.cfg)
-            replicated = tp_replicated_parameters(model) if dims.tp > 1 else 0
-            self._model_counts = [p.numel() for p in model.parameters()], replicated
-        sizes, replicated = self._model_counts
+            experts = expert_parameter_count(model)
+            # the experts stay whole on every tp rank too; the estimate counts them apart
+            replicated = tp_replicated_parameters(model) - experts if dims.tp > 1 else 0
+            self._model_counts = [p.numel() for p in model.parameters()], replicated, experts
+        sizes, replicated, experts = self._model_counts
         return estimate_config(
             self.cfg,
             world,
             sum(sizes),
+            expert_params=experts,
             tp_replicated=replicated,
             param_sizes=sizes,
             dp_rank=rank if dims.tp == dims.pp == 1 else 0,

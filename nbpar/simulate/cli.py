@@ -7,7 +7,8 @@
 
 from __future__ import annotations
 
-from nbpar.strategies import STRATEGIES, resolve_degrees
+from nbpar.dims import layout_words
+from nbpar.strategies import ATTENTIONS, STRATEGIES, resolve_degrees
 
 
 def add_parser(sub, positive_int, positive_float, add_memory_flags) -> None:
@@ -20,9 +21,10 @@ def add_parser(sub, positive_int, positive_float, add_memory_flags) -> None:
     s.add_argument("--model-config", default=None, help="JSON: tiny_gpt's gpt sizes")
     s.add_argument("--strategy", choices=STRATEGIES, default="ddp")
     s.add_argument("--world-size", type=positive_int, required=True)
-    for dim in ("dp", "tp", "pp"):
+    for dim in ("dp", "tp", "pp", "cp", "ep"):
         s.add_argument(f"--{dim}", type=positive_int, default=None)
     s.add_argument("--schedule", choices=("gpipe", "1f1b"), default=None)
+    s.add_argument("--attention", choices=ATTENTIONS, default=None, help="with --cp")
     s.add_argument("--precision", choices=("fp32", "bf16", "mixed"), default="fp32")
     s.add_argument("--optimizer", choices=("adam", "adamw", "sgd"), default="adam")
     s.add_argument("--micro-batch", type=positive_int, default=1)
@@ -66,11 +68,14 @@ def config(args):
     if args.seq_len is not None:
         extra.setdefault("gpt", GPTConfig()).seq_len = args.seq_len
     try:  # a pipeline keeps pp micro-batches in flight: by default as many as stages
-        pp = resolve_degrees(args.strategy, args.world_size, args.dp, args.tp, args.pp).pp
+        pp = resolve_degrees(
+            args.strategy, args.world_size, args.dp, args.tp, args.pp, args.cp, args.ep
+        ).pp
     except ValueError:
         pp = 1  # the simulation refuses these degrees, in the config's words
-    if args.schedule is not None:
-        extra["schedule"] = args.schedule
+    for name in ("schedule", "attention", "cp", "ep"):
+        if getattr(args, name) is not None:
+            extra[name] = getattr(args, name)
     if args.fsdp_reshard is not None:
         extra["fsdp_reshard"] = args.fsdp_reshard == "true"
     if args.activation_checkpointing is not None:
@@ -129,23 +134,23 @@ def human(out: dict) -> str:
     if "layouts" in out:
         lines = [
             f"what fits on {out['world_size']} devices of {out['device_memory_gb']:g} GB",
-            f"{'strategy':>8} {'dp':>4} {'tp':>4} {'pp':>4} {'peak':>10} {'fits':>5} "
-            f"{'margin':>10}",
+            f"{'strategy':>8} {'dp':>4} {'tp':>4} {'pp':>4} {'cp':>4} {'ep':>4} {'peak':>10} "
+            f"{'fits':>5} {'margin':>10}",
         ]
         for r in out["layouts"]:
             if "error" in r:  # this layout cannot run the model: say why
                 lines.append(f"{r['strategy']:>8} refused: {r['error']}")
                 continue
             lines.append(
-                f"{r['strategy']:>8} {r['dp']:>4} {r['tp']:>4} {r['pp']:>4} "
-                f"{size(r['peak_bytes']):>10} {'yes' if r['fits'] else 'no':>5} "
+                f"{r['strategy']:>8} {r['dp']:>4} {r['tp']:>4} {r['pp']:>4} {r['cp']:>4} "
+                f"{r['ep']:>4} {size(r['peak_bytes']):>10} {'yes' if r['fits'] else 'no':>5} "
                 f"{size(r['margin_bytes']):>10}"
             )
         return "\n".join(lines)
     cfg = out["config"]
     head = (
         f"{cfg['strategy']}/{cfg['backend']} {cfg['model']} on {cfg['world_size']} ranks "
-        f"(dp {cfg['dp']} x tp {cfg['tp']} x pp {cfg['pp']}){_options(cfg)}, simulated in "
+        f"({layout_words(cfg)}){_options(cfg)}, simulated in "
         f"{out['seconds']:.1f} s"
     )
     if out.get("fits") is not None:

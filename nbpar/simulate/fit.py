@@ -9,21 +9,30 @@ from __future__ import annotations
 
 import copy
 
-from nbpar.strategies import STRATEGIES
+from nbpar.strategies import STRATEGIES, is_moe
 
-# every strategy that has default degrees (hybrid needs them given) and that fake ranks
-# run (context and expert parallelism: not yet)
-DEFAULT_STRATEGIES = tuple(s for s in STRATEGIES if s not in ("hybrid", "cp", "ep"))
+# every strategy that has default degrees (hybrid needs them given); context parallelism
+# where the model reads sequences, expert parallelism where it has experts
+DEFAULT_STRATEGIES = tuple(s for s in STRATEGIES if s != "hybrid")
+
+
+def applies(strategy: str, model) -> bool:
+    """Whether ``strategy`` splits something ``model`` has: cp a sequence (not
+    simple_cnn's images), ep experts (a mixture-of-experts model)."""
+    if strategy == "ep":
+        return is_moe(model)
+    return strategy != "cp" or model != "simple_cnn"
 
 
 def candidate_configs(cfg, world_size: int, strategies=DEFAULT_STRATEGIES) -> list:
     """A config per candidate strategy at its default degrees on ``world_size`` ranks."""
     out = []
     for strategy in strategies:
-        if (strategy == "single") != (world_size == 1):
+        if (strategy == "single") != (world_size == 1) or not applies(strategy, cfg.model):
             continue
         c = copy.deepcopy(cfg)
         c.strategy, c.dp, c.tp, c.pp, c.fsdp_reshard = strategy, None, None, None, None
+        c.cp, c.ep = None, None
         c.sequence_parallel = c.sequence_parallel and strategy == "tp"  # needs tp > 1
         if strategy == "pipeline":  # 1F1B needs a micro-batch per stage in flight
             c.grad_accum = max(c.grad_accum, world_size)
@@ -40,7 +49,8 @@ def what_fits(
     on_row=None,
 ) -> list[dict]:
     """One row per layout, those that fit first, largest margin first: ``strategy``,
-    ``dp``, ``tp``, ``pp``, ``peak_bytes``, ``fits``, ``margin_bytes`` (or ``error``).
+    ``dp``, ``tp``, ``pp``, ``cp``, ``ep``, ``peak_bytes``, ``activation_bytes``, ``fits``,
+    ``margin_bytes`` (or ``error``).
     ``on_row(rows_so_far, total)`` is called as each layout's simulation ends."""
     from nbpar.simulate.run import capacity_bytes
 
@@ -68,7 +78,10 @@ def _fit_row(c, world_size: int, device_memory_gb: float) -> dict:
         "dp": conf["dp"],
         "tp": conf["tp"],
         "pp": conf["pp"],
+        "cp": conf["cp"],
+        "ep": conf["ep"],
         "peak_bytes": max(r["peak_bytes"] for r in sim["ranks"]),
+        "activation_bytes": max(r["activation_bytes"] for r in sim["ranks"]),
         "fits": sim["fits"],
         "margin_bytes": sim["margin_bytes"],
     }

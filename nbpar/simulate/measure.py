@@ -6,6 +6,9 @@ count), ``activation_bytes`` and ``peak_bytes`` from the same meter
 (`nbpar.measure.memtrack.StepMemory`), ``comm_bytes`` and ``comm_bytes_by_op`` from
 `nbpar.measure.comm.CommMeter`; plus what only a simulation splits out:
 ``comm_buffer_bytes`` and ``temp_bytes`` at the peak (`nbpar.simulate.meter`).
+
+A mixture-of-experts model routes its tokens uniformly here (`nbpar.model.moe.uniform_routing`):
+which expert a token picks is data, and fake tensors have none.
 """
 
 from __future__ import annotations
@@ -73,14 +76,15 @@ def simulate_rank(cfg, dims, rank: int, stages=None) -> list[dict]:
     in that stage's schedule order (`nbpar.simulate.segments`)."""
     from nbpar.measure.comm import CommMeter
     from nbpar.model.models import build_model
+    from nbpar.model.moe import assume_uniform_routing, uniform_routing
     from nbpar.simulate.meter import SimMemory
     from nbpar.simulate.runners import make_runner
     from nbpar.simulate.segments import SegmentMeter
     from nbpar.simulate.world import fake_rank
 
-    with fake_rank(rank, dims) as (mesh, _mode):
+    with fake_rank(rank, dims) as (mesh, _mode), uniform_routing():
         try:
-            model = build_model(cfg)
+            model = assume_uniform_routing(build_model(cfg))
         except Exception as err:
             raise explain(err, "built", cfg.model) from None
         # the batches first: a pipeline stage is cut from the model itself

@@ -39,12 +39,13 @@ class Simulation(dict):
 
     def table(self) -> str:
         """Per simulated rank, in GB: what it holds, its peak, what it sends per step."""
+        from nbpar.dims import layout_words
         from nbpar.simulate.roles import describe
 
         cfg = self["config"]
         lines = [
             f"{cfg['strategy']} {cfg['model']} on {cfg['world_size']} ranks "
-            f"(dp {cfg['dp']} x tp {cfg['tp']} x pp {cfg['pp']}), {cfg['precision']}, "
+            f"({layout_words(cfg)}), {cfg['precision']}, "
             f"micro-batch {cfg['micro_batch']}: simulated in {self['seconds']:.0f} s",
             f"{'ranks':>12} {'params':>9} {'grads':>9} {'optimizer':>9} "
             f"{'activ.':>9} {'peak':>9} {'ring/step':>9}",
@@ -96,6 +97,8 @@ def simulate(
         "dp": dims.dp,
         "tp": dims.tp,
         "pp": dims.pp,
+        "cp": dims.cp,
+        "ep": dims.ep,
     }
     out = Simulation(config=config, ranks=ranks, seconds=time.perf_counter() - start)
     if capacity is not None:

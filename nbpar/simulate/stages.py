@@ -39,7 +39,7 @@ class StageStep(StepRunner):
     """The step of one pipeline rank; ``model`` is its stage module."""
 
     reduce_data_parallel_grads = HybridRunner.reduce_data_parallel_grads
-    grad_sync = None  # expert parallelism's average: MoE models are not simulated
+    grad_sync = None  # expert parallelism's average (`build_stage_runner` sets it)
 
     def __init__(
         self,
@@ -141,6 +141,7 @@ def build_stage_runner(model: nn.Module, cfg, mesh, rank: int) -> StageStep:
     """The stage of ``rank``: cut, tp-split, dp-sharded as a real hybrid run does."""
     from nbpar.model.models import loss_fn
     from nbpar.parallel.common import autocast_dtype, make_optimizer
+    from nbpar.parallel.hybrid import expert_sync
     from nbpar.parallel.tensor import apply_tp
 
     pp, dp, tp = mesh["pp"].size(), mesh["dp"].size(), mesh["tp"].size()
@@ -148,11 +149,14 @@ def build_stage_runner(model: nn.Module, cfg, mesh, rank: int) -> StageStep:
     (chunk,) = split_stages(model, stage, pp, in_place=True)
     if tp > 1:
         apply_tp(chunk, mesh["tp"], cfg.sequence_parallel)
+    experts = expert_sync(cfg, mesh)
+    if experts is not None:
+        experts.apply(chunk)
     reshard = reshard_after_forward(cfg.strategy, cfg.fsdp_reshard)
     if dp > 1 and reshard is not None:
         _apply_fsdp(chunk, mesh["dp"], reshard)
     dp_group = mesh["dp"].get_group() if dp > 1 and reshard is None else None
-    return StageStep(
+    runner = StageStep(
         chunk,
         make_optimizer(chunk.parameters(), cfg),
         loss_fn(cfg.model),
@@ -167,3 +171,5 @@ def build_stage_runner(model: nn.Module, cfg, mesh, rank: int) -> StageStep:
         fsdp=dp > 1 and reshard is not None,
         sequence_shards=tp if cfg.sequence_parallel else 1,
     )
+    runner.grad_sync = experts.sync if experts is not None else None
+    return runner

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 
-from nbpar.parallel.mesh import forget_shardings
+from nbpar.parallel.mesh import cached_mesh, forget_shardings, release_meshes
 
 
 def check_free() -> None:
@@ -40,12 +40,14 @@ def fake_rank(rank: int, dims, device_type: str = "cpu"):
     check_free()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world_size)
     try:
-        mesh = dims.build_mesh(device_type)
+        # the expert mesh too (`cached_mesh` builds both): neither can be built inside
+        mesh = cached_mesh(dims, device_type)
         with warnings.catch_warnings():
             # fake tensors have no data: torch warns whenever code asks for an address
             warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
             with FakeTensorMode(allow_non_fake_inputs=True) as mode:
                 yield mesh, mode
     finally:
+        release_meshes()  # their groups first, then the default group
         dist.destroy_process_group()
         forget_shardings()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import html
 import json
 
+from nbpar.dims import layout_words
 from nbpar.estimate import format_bytes
 from nbpar.simulate.fit import DEFAULT_STRATEGIES
 
@@ -45,7 +46,7 @@ def _bar(peak: int, capacity: float) -> str:
 def fit_rows_html(rows: list[dict], world_size: int, device_gb: float, pending: int = 0) -> str:
     """`what_fits` rows as an HTML table: fitting layouts first, each with its margin and
     a bar of its peak against the device; ``pending`` layouts are still simulating."""
-    names = ("strategy", "dp x tp x pp", "peak per device", "of the device", "fits", "margin")
+    names = ("strategy", "layout", "peak per device", "of the device", "fits", "margin")
     head = "<tr>" + "".join(f"<th style='{_CELL}'>{n}</th>" for n in names) + "</tr>"
     body = []
     for r in rows:
@@ -54,7 +55,7 @@ def fit_rows_html(rows: list[dict], world_size: int, device_gb: float, pending: 
         else:
             cells = [
                 r["strategy"],
-                f"{r['dp']} x {r['tp']} x {r['pp']}",
+                layout_words(r),
                 format_bytes(r["peak_bytes"]),
                 _bar(r["peak_bytes"], device_gb * 1e9),
                 "yes" if r["fits"] else "no",

@@ -238,6 +238,42 @@ print(f"the ring sends {measured['ring'] / measured['ulysses']:.1f}x what Ulysse
 pool.shutdown()
 
 # %% [markdown]
+# ## At full size, on fake ranks: Llama 3 8B at 128K tokens on cp 8
+#
+# Which split when, in numbers: `nbpar.simulate` runs one rank of an 8-rank job on fake
+# tensors (shapes, no data) with the same strategy code as the runs above, here Llama 3
+# 8B's shape (transformers' Llama with random weights, nothing downloaded), one
+# sequence of 131,072 tokens, bf16, ring attention over cp 8, FSDP2 over the 8 ranks
+# and full activation checkpointing. A sequence this long does not fit one device
+# however the model is sharded; split 8 ways, each rank keeps 16K tokens' activations.
+
+# %%
+LLAMA_3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                  max_position_embeddings=131072)
+long = nbpar.TrainConfig(model="hf:llama", model_config=LLAMA_3_8B, strategy="hybrid",
+                         dp=1, cp=8, attention="ring", fsdp_reshard=True, precision="bf16",
+                         micro_batch=1, gpt=nbpar.GPTConfig(seq_len=131072),
+                         activation_checkpointing="full")
+sim = nbpar.simulate(long, world_size=8, device_memory_gb=80)
+(rank,) = sim["ranks"]
+print(f"one rank of 8: states {format_bytes(rank['param_bytes'] + rank['grad_bytes'] + rank['optim_bytes'])}, "
+      f"activations {format_bytes(rank['activation_bytes'])}, peak {format_bytes(rank['peak_bytes'])}; "
+      f"fits 80 GB: {sim['fits']}")
+print(f"the ring passes {format_bytes(rank['comm_bytes_by_op']['send_recv'])} of K/V blocks "
+      f"a step per rank")
+assert sim["fits"] and rank["stands_for"] == list(range(8))
+
+# %% [markdown]
+# The figures are what the strategy code holds and sends on fake tensors (the peak
+# includes FSDP2's gathered layers and the rebuilt block's activations, which no formula
+# lists); the ring's bytes follow `nbpar.comm_estimate.context_bytes_per_step`, the
+# forward's blocks sent three times a step with checkpointing (forward, recomputed
+# forward, backward) and their gradients once. Ulysses at cp 8 would split 8 key/value
+# heads one each; at cp 16, as Llama 3 trained its longest stage, it could not, the
+# ring can.
+
+# %% [markdown]
 # **Takeaway.**
 #
 # - Context parallelism splits every sequence over `cp` ranks: each holds `1/cp` of the
