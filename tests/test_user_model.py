@@ -179,7 +179,7 @@ def test_the_picker_offers_and_trains_a_registered_model(pool):
     nbpar.register_model("picked_net", M + "make_model", dataset=M + "make_data", loss=M + "mse")
     picker = StrategyPicker(pool, background=False)
     options = [value for _, value in picker.fields["model"].options]
-    assert options[:4] == ["simple_cnn", "tiny_gpt", "hf:gpt2", "hf:llama"]
+    assert options[:5] == ["simple_cnn", "tiny_gpt", "tiny_moe", "hf:gpt2", "hf:llama"]
     assert "picked_net" in options
     picker.fields["model"].value = "picked_net"
     picker.fields["strategy"].value = "zero3"
