@@ -17,8 +17,8 @@ over DTensor, gradient all-reduce over dp). Two layouts of transformers' LlamaFo
 - Llama 3 8B at 131,072 tokens on 8 ranks: ring attention over cp 8, FSDP2 over the 8,
   full activation checkpointing (long context; the peak is the answer, no target but 80 GB).
 - A Mixtral-8x7B-shaped transformers Mixtral (46.7B parameters, 8 experts, 2 a token)
-  on 32 ranks, ep 8 x dp 8 x pp 4, 4 micro-batches of 4,096 tokens, the routing assumed
-  uniform (`nbpar.model.moe.uniform_routing`).
+  on 32 ranks, ep 8 x dp 8 x pp 4, 4 micro-batches of 4,096 tokens, full activation
+  checkpointing, the routing assumed uniform (`nbpar.model.moe.uniform_routing`).
 
 A pipeline's stages that hold the same module are simulated once and each stage's step
 is composed from segments of two micro-batches (`nbpar.simulate.segments`); the
@@ -91,12 +91,13 @@ def layouts() -> dict:
     the_8b = dict(dp=1, cp=8, grad_accum=1, seq_len=131072)
     long = dict(attention="ring", fsdp_reshard=True, activation_checkpointing="full")
     mixtral = dict(dp=8, ep=8, pp=4, grad_accum=4, seq_len=4096)
+    full = dict(activation_checkpointing="full")
     out = {}
     for name, model, shape, sizes, world, extra in (
         ("70B", "hf:llama", LLAMA_3_70B, the_70b, 1024, {}),
         ("405B", "hf:llama", LLAMA_3_405B, the_405b, 16384, checkpointed),
         ("8B at 128K", "hf:llama", LLAMA_3_8B, the_8b, 8, long),
-        ("Mixtral 8x7B", "hf:mixtral", MIXTRAL_8X7B, mixtral, 32, {}),
+        ("Mixtral 8x7B", "hf:mixtral", MIXTRAL_8X7B, mixtral, 32, full),
     ):
         sizes = dict(sizes)
         gpt = nbpar.GPTConfig(seq_len=sizes.pop("seq_len"))
@@ -142,7 +143,8 @@ def main():
         "micro-batches of 1 x 8,192 tokens, sequence parallel, full activation "
         "checkpointing; 8B: one rank for all 8 (cp 8, ring, FSDP2 over the 8, full "
         "activation checkpointing, 1 x 131,072 tokens, in this process); Mixtral 8x7B: ep 8 "
-        "x dp 8 x pp 4, 4 micro-batches of 1 x 4,096 tokens, routing assumed uniform; wall "
+        "x dp 8 x pp 4, 4 micro-batches of 1 x 4,096 tokens, full activation checkpointing, "
+        "routing assumed uniform; wall "
         "and CPU time of the call, the processes' peak RSS, every rank's simulated peak.",
         repeats=args.repeats,
         measures=[

@@ -192,8 +192,10 @@ print("every forward transfer was posted before the block computed beside it: Tr
 # In the forward each rank posts the send of the block it holds and the receive of the
 # next, then computes: the orange bar spans from posting to the rank seeing the block
 # arrive, the blue box beneath it the compute it travelled behind. Where an orange bar
-# ends well after its blue box, the rank waited for the transfer; on a laptop the
-# "network" is a memory copy between processes, fast next to the compute. The backward
+# ends well after its blue box, the rank waited: on a laptop the "network" is a memory
+# copy between processes, but the four ranks share a few cores, so a block often arrives
+# only when its sender got the core to post it, and the bar measures that wait more than
+# the wire. The backward
 # (light) computes first and then passes the block on with its gradients: it hides
 # nothing here, which is why the ring's backward is its exposed part.
 

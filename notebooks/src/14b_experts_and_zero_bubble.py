@@ -201,7 +201,9 @@ pool.shutdown()
 # token; transformers' Mixtral with random weights) holds 46.7B parameters, 45B of them
 # in experts. The estimator says what expert parallelism over 8 data-parallel ranks
 # leaves each rank in mixed precision; `nbpar.simulate` then runs one rank per pipeline
-# stage of ep 8 x dp 8 x pp 4 (32 ranks) on fake tensors. Fake tensors have no routing,
+# stage of ep 8 x dp 8 x pp 4 (32 ranks) on fake tensors, 4 micro-batches of 4,096
+# tokens with full activation checkpointing (without it, the first stage's 4 micro-batches
+# in flight take it past 80 GB). Fake tensors have no routing,
 # so the simulation sends every expert the same share of tokens
 # (`nbpar.model.moe.uniform_routing`): the balance a real run's routing loss aims at.
 
@@ -218,7 +220,7 @@ print(f"ep 8 x dp 8, no pipeline: {format_bytes(flat['total'])} of model states 
       f"(estimate): more than an 80 GB device")
 moe = nbpar.TrainConfig(model="hf:mixtral", model_config=MIXTRAL, strategy="hybrid",
                         dp=8, ep=8, pp=4, grad_accum=4, precision="bf16", micro_batch=1,
-                        gpt=nbpar.GPTConfig(seq_len=4096))
+                        gpt=nbpar.GPTConfig(seq_len=4096), activation_checkpointing="full")
 sim = nbpar.simulate(moe, world_size=32, device_memory_gb=80)
 for r in sim["ranks"]:
     print(f"ranks {r['stands_for'][0]:2d}-{r['stands_for'][-1]:2d}: peak {format_bytes(r['peak_bytes'])}, "
