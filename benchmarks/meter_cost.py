@@ -1,6 +1,6 @@
 """What the every-step communication clock costs a step: DDP step time with it vs without.
 
-    python benchmarks/meter_cost.py --steps 40 --pairs 16
+    python benchmarks/meter_cost.py --steps 40 --pairs 40
 
 One pool of 2 engines, tiny_gpt as in ddp_vs_torchrun.py. Each pair trains the same
 DDP run twice, once with the blocked clock on every step (`nbpar.measure.blocked`, what
@@ -51,7 +51,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--pairs", type=int, default=16)
+    p.add_argument("--pairs", type=int, default=40)
     args = p.parse_args()
     if args.pairs < 5:
         p.error("--pairs: at least 5")
