@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from nbpar.checks import positive_int
 from nbpar.estimate import _choice
-from nbpar.strategies import STRATEGIES, ZERO_STAGE
+from nbpar.strategies import ATTENTIONS, STRATEGIES, ZERO_STAGE
 
 
 def comm_bytes_per_step(
@@ -123,8 +123,6 @@ def context_bytes_per_step(
       and four in the backward, each sending (cp-1)/cp of its tensor: 2 (2 q + 2 kv)
       (cp-1)/cp per layer; recomputation adds the forward's four.
     """
-    from nbpar.strategies import ATTENTIONS
-
     _choice("attention", attention, ATTENTIONS)
     cp, layers = positive_int("cp", cp), positive_int("layers", layers)
     k = positive_int("grad_accum", grad_accum)

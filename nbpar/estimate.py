@@ -325,7 +325,7 @@ def estimate_config(
         dp_rank=dp_rank,
         cp=dims.cp,
         ep=dims.ep,
-        expert_params=expert_params if dims.ep > 1 else 0,
+        expert_params=expert_params,  # whole on every tp rank, whatever ep is
         fsdp_reshard=cfg.fsdp_reshard,
     )
 

@@ -382,7 +382,12 @@ def test_simulated_expert_bytes_follow_uniform_routing(ep, recompute):
 
 @pytest.mark.parametrize(
     "strategy, degrees, world",
-    [("ep", {}, 4), ("hybrid", {"dp": 2, "ep": 2, "tp": 2}, 4), ("hybrid", {"dp": 1, "cp": 2}, 2)],
+    [
+        ("ep", {}, 4),
+        ("hybrid", {"dp": 2, "ep": 2, "tp": 2}, 4),
+        ("tp", {}, 2),  # ep 1: the experts still stay whole on every tp rank
+        ("hybrid", {"dp": 1, "cp": 2}, 2),
+    ],
 )
 def test_the_estimate_with_cp_and_ep_equals_the_simulated_states(strategy, degrees, world):
     """The estimator's cp and ep (experts over ep, whole on every tp rank; states over dp
@@ -396,7 +401,8 @@ def test_the_estimate_with_cp_and_ep_equals_the_simulated_states(strategy, degre
     cfg = nbpar.TrainConfig(model=model, strategy=strategy, fsdp_reshard=reshard, **degrees)
     built = build_model(cfg)
     n, experts = sum(p.numel() for p in built.parameters()), expert_parameter_count(built)
-    replicated = tp_replicated_parameters(built) - experts if degrees.get("tp", 1) > 1 else 0
+    tp = cfg.dims(world).tp
+    replicated = tp_replicated_parameters(built) - experts if tp > 1 else 0
     est = estimate_config(cfg, world, n, expert_params=experts, tp_replicated=replicated)
     (rank, *_) = nbpar.simulate(cfg, world)["ranks"]
     for key, part in (("param_bytes", "params"), ("grad_bytes", "grads"), ("optim_bytes", "optim")):
