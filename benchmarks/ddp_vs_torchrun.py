@@ -27,6 +27,7 @@ import psutil
 from results import Recorder
 
 import nbpar
+from nbpar.pool.forkserver import is_engine
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SIZES = {"d_model": 128, "n_layers": 4, "seq_len": 128}  # a step of ~0.1 s on 2 cores
@@ -45,11 +46,7 @@ def config(args, steps: int) -> nbpar.TrainConfig:
 def engines_alive() -> int:
     """nbpar engine processes running now (anyone's: the baseline must see none of ours)."""
     me = psutil.Process()
-    return sum(
-        "nbpar.pool.engine" in " ".join(p.cmdline())
-        for p in me.children(recursive=True)
-        if p.is_running()
-    )
+    return sum(is_engine(p) for p in me.children(recursive=True) if p.is_running())
 
 
 def nbpar_side(args) -> dict:

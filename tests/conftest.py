@@ -19,6 +19,7 @@ tempfile.tempdir = str(_scratch)
 import psutil  # noqa: E402
 import pytest  # noqa: E402
 
+from nbpar.pool.forkserver import POOL_MARKERS  # noqa: E402
 from tests import lanes  # noqa: E402
 
 pytest_plugins = ["pytester"]  # tests/test_lanes.py runs pytest inside pytest
@@ -43,11 +44,7 @@ def no_process_left_behind():
     """Every engine and controller a test starts must be gone when the tests end."""
     yield
     me = psutil.Process()
-    left = [
-        p
-        for p in me.children(recursive=True)
-        if any(s in _cmdline(p) for s in ("ipyparallel", "nbpar.pool.engine"))
-    ]
+    left = [p for p in me.children(recursive=True) if any(s in _cmdline(p) for s in POOL_MARKERS)]
     for p in left:
         p.kill()
     assert not left, f"processes left running: {[p.cmdline() for p in left]}"

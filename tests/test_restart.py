@@ -9,6 +9,7 @@ import psutil
 import pytest
 
 from nbpar.bench.launch import time_restart
+from nbpar.pool.forkserver import is_engine
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -17,11 +18,7 @@ RESTART_BUDGET_S = 2.5
 
 
 def engine_pids() -> set[int]:
-    return {
-        p.pid
-        for p in psutil.Process().children(recursive=True)
-        if "nbpar.pool.engine" in " ".join(p.cmdline())
-    }
+    return {p.pid for p in psutil.Process().children(recursive=True) if is_engine(p)}
 
 
 def test_a_pool_starts_no_spares_until_a_restart_looks_likely(pool):

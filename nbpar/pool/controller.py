@@ -4,6 +4,10 @@ controller, which exits (with its schedulers) when the kernel that started it di
 Local engines start at the same time as the controller and read its connection file as
 soon as it exists (`nbpar.pool.startup.start_both`): the file is written whole under
 another name and then renamed, so no engine reads half of it.
+
+An engine's registration finishes when the heart monitor hears its heart. ipyparallel
+counts a new heart at the beat after the one it answered (1-2 periods, 0.2-0.4 s at
+nbpar's period); here it counts at its first answer.
 """
 
 import json
@@ -21,11 +25,23 @@ def save_connection_dict(self, fname, cdict):
     os.replace(part, path)
 
 
+def handle_pong(self, msg, _pong=None):
+    """`HeartMonitor.handle_pong`, a new heart's first answer finishing its registration."""
+    _pong(self, msg)
+    heart = msg[0]
+    if heart in self.responses and heart not in self.hearts:
+        self.handle_new_hearts({heart})
+
+
 if __name__ == "__main__":
     from nbpar.pool.orphan import exit_with_parent
 
     exit_with_parent()
+    from functools import partialmethod
+
     from ipyparallel.controller.app import IPController, main
+    from ipyparallel.controller.heartmonitor import HeartMonitor
 
     IPController.save_connection_dict = save_connection_dict
+    HeartMonitor.handle_pong = partialmethod(handle_pong, _pong=HeartMonitor.handle_pong)
     main()

@@ -48,12 +48,14 @@ def engine_cmd() -> list[str]:
 
 def check_launcher(launcher) -> None:
     """Raise ValueError naming the fix if ``launcher`` cannot start engines here."""
-    from ipyparallel.cluster.launcher import find_launcher_class
-
     if not isinstance(launcher, str):
         raise ValueError(
             f"launcher must be a name like 'local', 'mpi', 'slurm' or 'ssh', got {launcher!r}"
         )
+    if launcher.lower() == "local":  # ipyparallel's own: nothing to look up (or import)
+        return
+    from ipyparallel.cluster.launcher import find_launcher_class
+
     try:
         find_launcher_class(launcher, "engine")
     except KeyError:

@@ -12,7 +12,8 @@ import weakref
 
 from nbpar import device
 from nbpar.errors import PoolError, UsageError
-from nbpar.pool import startup
+from nbpar.pool import forked, startup
+from nbpar.pool.forked import ForkServer
 from nbpar.pool.progress import StartProgress
 
 # The process-wide registry of pools (the kernel's): every pool not shut down, and the
@@ -85,10 +86,21 @@ class Pool:
         self.closed = False
         self.engines: list[dict] = []
         self._init_requests()
+        # local engines are forked from one process, which imports torch from now on
+        self._forkserver = ForkServer(env) if forked.usable(launcher) else None
         progress = StartProgress()  # what it is doing, in the notebook, for these seconds
         try:
             self.cluster, self.client, self._engine_ids, self._sets = startup.start_cluster(
-                n, launcher, ip, start_timeout, env, progress.say, backend, slurm, **cluster_kwargs
+                n,
+                launcher,
+                ip,
+                start_timeout,
+                env,
+                progress.say,
+                backend,
+                slurm,
+                forkserver=self._forkserver,
+                **cluster_kwargs,
             )
             progress.say(f"{n}/{n} engines registered; joining the process group ({backend})")
             self._rendezvous()
@@ -125,6 +137,7 @@ class Pool:
         self = cls.__new__(cls)
         self.backend = backend or device.default_backend()
         self.launcher, self.owned, self.closed, self.cluster = "connected", False, False, None
+        self._forkserver = None
         self.note = None
         self.auto_restart = kwargs.pop("restart", None) == "auto"
         self.timeout = kwargs.pop("timeout", None)
@@ -224,7 +237,11 @@ class Pool:
         self.closed = True
         _live.discard(self)
         self._close_cells()
-        startup.stop(self.cluster if self.owned else None, self.client)
+        try:
+            startup.stop(self.cluster if self.owned else None, self.client)
+        finally:
+            if getattr(self, "_forkserver", None) is not None:
+                self._forkserver.close()
 
     def _close_cells(self) -> None:
         if getattr(self, "cells", None) is not None:

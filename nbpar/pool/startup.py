@@ -15,10 +15,11 @@ import time
 from nbpar.checks import positive_int
 from nbpar.errors import PoolError
 
-#: Faster than ipyparallel's defaults: engines register within ~0.2 s of
-#: starting (the default 3 s heartbeat period made registration take ~6 s); a
-#: dead engine is still only declared after 10 s without heartbeats.
-CONTROLLER_ARGS = ["--HeartMonitor.period=200", "--HeartMonitor.max_heartmonitor_misses=50"]
+#: Faster than ipyparallel's defaults: an engine's registration finishes at its
+#: heart's first answer (`nbpar.pool.controller`), within a 50 ms period (the default
+#: 3 s period made registration take ~6 s); a dead engine is still only declared
+#: after 10 s without heartbeats (200 missed). A beat costs the controller ~0.1 ms.
+CONTROLLER_ARGS = ["--HeartMonitor.period=50", "--HeartMonitor.max_heartmonitor_misses=200"]
 
 
 def check_size(n) -> int:
@@ -77,11 +78,14 @@ def start_cluster(
     say=None,
     backend: str = "gloo",
     slurm_options: dict | None = None,
+    forkserver=None,
     **kwargs,
 ):
     """Start a controller and ``n`` engines; (cluster, client, engine ids, EngineSets)
     once all ``n`` registered. ``say(text)`` hears each stage and each engine that
-    registers (`progress.StartProgress`); ``kwargs`` go to ``ipyparallel.Cluster``."""
+    registers (`progress.StartProgress`); ``forkserver``: a `nbpar.pool.forked.ForkServer`
+    that forks the engines (local engines; None: one process each); ``kwargs`` go to
+    ``ipyparallel.Cluster``."""
     say = say or (lambda text: None)
     import ipyparallel as ipp
 
@@ -97,8 +101,13 @@ def start_cluster(
         log_level=40,
         engine_timeout=int(start_timeout),
     )
+    if forkserver is not None:
+        from nbpar.pool.fork_launcher import ForkEngineSetLauncher
+
+        options["engines"] = ForkEngineSetLauncher
     options.update(kwargs)
     cluster, client = ipp.Cluster(**options), None
+    cluster.forkserver = forkserver
     try:
         ours = launcher.lower() == "slurm" and not slurm.own_template(cluster.config)
         launchers.configure(cluster, launcher, n, env, backend, slurm_options)
@@ -126,13 +135,28 @@ def start_both(cluster, launcher: str, n: int) -> None:
     """Start the controller and the engines. ipyparallel starts the engines once the
     controller has written its connection file, to hand it to them; local engines read
     it from the profile themselves (ipengine waits for it), so they are started first
-    and import ipyparallel and torch while the controller comes up."""
+    and import ipyparallel and torch while the controller comes up. Forked engines
+    (``cluster.forkserver``) come once the fork server has imported torch, which it
+    started doing before the kernel imported ipyparallel: the controller goes first."""
     if launcher.lower() != "local":
         cluster.start_cluster_sync()
         return
     cluster.send_engines_connection_env = False
+    if getattr(cluster, "forkserver", None) is not None:
+        cluster.start_controller_sync()
+        warm_client()  # while the fork server imports torch
+        cluster.start_engines_sync(n)
+        return
     cluster.start_engines_sync(n)
     cluster.start_controller_sync()
+
+
+def warm_client() -> None:
+    """Pack one request as the client's first ``apply`` will: ipyparallel imports its
+    serializers' types then (numpy: ~0.1 s), better while engines are still starting."""
+    from ipyparallel.serialize import pack_apply_message
+
+    pack_apply_message(os.getpid, (), {})
 
 
 def wait_registered(client, n: int, timeout: float, say) -> None:

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import psutil
 import pytest
 
+from nbpar.pool.forkserver import POOL_MARKERS
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "artifacts" / "browser"
 CHROMIUM = "/usr/bin/chromium"
@@ -36,7 +38,7 @@ CHROMIUM_ARGS = [
     "--disable-sync",
     "--no-first-run",
 ]
-ENGINE_MARKERS = ("nbpar.pool.engine", "ipyparallel")
+ENGINE_MARKERS = POOL_MARKERS
 # Lab settings for a quiet, fully rendered page: no news fetch, every cell in the DOM.
 USER_SETTINGS = {
     "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
