@@ -90,6 +90,7 @@ def test_the_pool_env_reaches_forked_engines_and_the_switch_turns_forking_off(mo
         assert [res.results[r]["text/plain"] for r in (0, 1)] == ["'seen'"] * 2
 
 
+@pytest.mark.spawn  # the server is a process
 def test_a_server_that_is_gone_says_so():
     server = ForkServer({})
     try:
@@ -132,3 +133,43 @@ def test_a_new_heart_is_registered_at_its_first_answer():
     assert monitor.told == [{b"new"}]
     monitor.handle_pong([b"new", b"1.2"])
     assert monitor.told == [{b"new"}]  # told once
+
+
+def test_the_heart_monitor_beats_fast_while_engines_register_then_at_its_period(monkeypatch):
+    import asyncio
+
+    from tornado import ioloop
+
+    from nbpar.pool import controller
+
+    monkeypatch.setattr(controller, "FAST_FOR_S", 0.5)
+
+    class Monitor:
+        period, max_heartmonitor_misses = 200, 50  # nbpar's: 10 s of silence
+
+        def __init__(self):
+            self.beats, self.on_probation = [], {b"slow": 8}
+
+        def beat(self):
+            self.beats.append((asyncio.get_running_loop().time(), self.period))
+
+        def _start(self):  # as HeartMonitor.start makes its caller
+            self.caller = ioloop.PeriodicCallback(self.beat, self.period)
+            self.caller.start()
+
+        start = partialmethod(controller.start_fast, _start=_start)
+
+    async def run():
+        monitor = Monitor()
+        monitor.start()
+        assert (monitor.period, monitor.max_heartmonitor_misses) == (50, 200)  # still 10 s
+        await asyncio.sleep(1.2)
+        monitor.caller.stop()
+        return monitor
+
+    monitor = asyncio.run(run())
+    fast = [p for _, p in monitor.beats if p == 50]
+    slow = [p for _, p in monitor.beats if p == 200]
+    assert 5 <= len(fast) <= 11 and 1 <= len(slow) <= 5, monitor.beats
+    assert (monitor.period, monitor.max_heartmonitor_misses) == (200, 50)
+    assert monitor.on_probation == {b"slow": 2}  # 8 fast misses are 2 slow ones

@@ -10,8 +10,9 @@ spare set costs a fork (milliseconds) instead of an engine start-up.
 Protocol, one JSON line each way on stdin/stdout: the first line out is
 ``{"ready": true, "torch": <import error or null>}`` once the imports are done; then
 each request ``{"argv": [...], "env": {...}, "cwd": ..., "output": <log file>}`` is
-answered ``{"pid": <engine pid>}``. stdin closed: the server exits (its engines are
-stopped by their launchers; those left are killed). Linux only: forking a process
+answered ``{"pid": <engine pid>}``. stdin closed: the server exits (the pool has
+stopped its engines through their launchers; an engine still running exits within a
+second of its parent, `nbpar.pool.orphan`). Linux only: forking a process
 that loaded torch is what DataLoader workers do there; macOS and Windows start
 engines one process each (`nbpar.pool.forked.usable`).
 

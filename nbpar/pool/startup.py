@@ -15,11 +15,11 @@ import time
 from nbpar.checks import positive_int
 from nbpar.errors import PoolError
 
-#: Faster than ipyparallel's defaults: an engine's registration finishes at its
-#: heart's first answer (`nbpar.pool.controller`), within a 50 ms period (the default
-#: 3 s period made registration take ~6 s); a dead engine is still only declared
-#: after 10 s without heartbeats (200 missed). A beat costs the controller ~0.1 ms.
-CONTROLLER_ARGS = ["--HeartMonitor.period=50", "--HeartMonitor.max_heartmonitor_misses=200"]
+#: Faster than ipyparallel's defaults (its 3 s heartbeat period made registration take
+#: ~6 s): an engine registers at its heart's first answer, and the controller beats
+#: every 50 ms for its first 10 s (`nbpar.pool.controller`); a dead engine is still
+#: only declared after 10 s without heartbeats.
+CONTROLLER_ARGS = ["--HeartMonitor.period=200", "--HeartMonitor.max_heartmonitor_misses=50"]
 
 
 def check_size(n) -> int:
