@@ -15,7 +15,7 @@ import pytest
 import nbpar
 from nbpar.errors import PoolError
 from nbpar.pool import forked
-from nbpar.pool.controller import handle_pong
+from nbpar.pool.controller import handle_pong, start_fast
 from nbpar.pool.forked import ForkServer
 from nbpar.pool.forkserver import ENGINE_NAME, NANNY_NAME, SERVER_NAME, is_engine
 
@@ -135,41 +135,69 @@ def test_a_new_heart_is_registered_at_its_first_answer():
     assert monitor.told == [{b"new"}]  # told once
 
 
-def test_the_heart_monitor_beats_fast_while_engines_register_then_at_its_period(monkeypatch):
+class _Beating:
+    """A heart monitor's beat, start and pong, as `start_fast` and `handle_pong` use them."""
+
+    period, max_heartmonitor_misses = 200, 50  # nbpar's: 10 s of silence
+
+    def __init__(self):
+        self.beats, self.on_probation = [], {b"slow": 8}
+        self.hearts, self.responses = set(), set()
+
+    def beat(self):
+        self.beats.append(self.period)
+
+    def _start(self):  # as HeartMonitor.start makes its caller
+        from tornado import ioloop
+
+        self.caller = ioloop.PeriodicCallback(self.beat, self.period)
+        self.caller.start()
+
+    def _pong(self, msg):
+        self.responses.add(msg[0])
+
+    def handle_new_hearts(self, hearts):
+        self.hearts |= set(hearts)
+
+    start = partialmethod(start_fast, _start=_start)
+    handle_pong = partialmethod(handle_pong, _pong=_pong)
+
+
+def _beat_for(seconds: float, new_heart_at: float | None = None) -> _Beating:
     import asyncio
 
-    from tornado import ioloop
-
-    from nbpar.pool import controller
-
-    monkeypatch.setattr(controller, "FAST_FOR_S", 0.5)
-
-    class Monitor:
-        period, max_heartmonitor_misses = 200, 50  # nbpar's: 10 s of silence
-
-        def __init__(self):
-            self.beats, self.on_probation = [], {b"slow": 8}
-
-        def beat(self):
-            self.beats.append((asyncio.get_running_loop().time(), self.period))
-
-        def _start(self):  # as HeartMonitor.start makes its caller
-            self.caller = ioloop.PeriodicCallback(self.beat, self.period)
-            self.caller.start()
-
-        start = partialmethod(controller.start_fast, _start=_start)
-
     async def run():
-        monitor = Monitor()
+        monitor = _Beating()
         monitor.start()
         assert (monitor.period, monitor.max_heartmonitor_misses) == (50, 200)  # still 10 s
-        await asyncio.sleep(1.2)
+        if new_heart_at is not None:
+            await asyncio.sleep(new_heart_at)
+            monitor.handle_pong([b"engine", b"1.0"])
+        await asyncio.sleep(seconds - (new_heart_at or 0))
         monitor.caller.stop()
         return monitor
 
-    monitor = asyncio.run(run())
-    fast = [p for _, p in monitor.beats if p == 50]
-    slow = [p for _, p in monitor.beats if p == 200]
-    assert 5 <= len(fast) <= 11 and 1 <= len(slow) <= 5, monitor.beats
+    return asyncio.run(run())
+
+
+def test_the_heart_monitor_beats_fast_while_engines_register_then_at_its_period(monkeypatch):
+    from nbpar.pool import controller
+
+    monkeypatch.setattr(controller, "QUIET_S", 0.4)
+    monkeypatch.setattr(controller, "FAST_FOR_S", 5.0)
+    monitor = _beat_for(1.4, new_heart_at=0.2)  # quiet from 0.2 s: slow from ~0.6-0.7 s
+    fast, slow = monitor.beats.count(50), monitor.beats.count(200)
+    # fast, then slow; a busy machine only beats less often, never more (28 fast: no end)
+    assert monitor.beats == sorted(monitor.beats) and 4 <= fast <= 15 and slow >= 1, monitor.beats
     assert (monitor.period, monitor.max_heartmonitor_misses) == (200, 50)
     assert monitor.on_probation == {b"slow": 2}  # 8 fast misses are 2 slow ones
+    assert monitor.hearts == {b"engine"}
+
+
+def test_with_no_engine_the_fast_beat_still_ends(monkeypatch):
+    from nbpar.pool import controller
+
+    monkeypatch.setattr(controller, "FAST_FOR_S", 0.5)
+    monitor = _beat_for(1.2)
+    assert monitor.beats == sorted(monitor.beats), monitor.beats
+    assert monitor.beats.count(50) <= 11 and monitor.beats.count(200) >= 1, monitor.beats

@@ -7,15 +7,16 @@ another name and then renamed, so no engine reads half of it.
 
 An engine's registration finishes when the heart monitor hears its heart. ipyparallel
 counts a new heart at the beat after the one it answered (1-2 periods, 0.2-0.4 s at
-nbpar's period); here it counts at its first answer. And for its first `FAST_FOR_S`,
-while a pool's engines register, the monitor beats every `FAST_PERIOD_MS` (a new engine
-waits less for a beat to answer), then at its period: faster beats cost an idle pool
-~2% of a core, for good.
+nbpar's period); here it counts at its first answer. And while a pool's engines
+register, the monitor beats every `FAST_PERIOD_MS` (a new engine waits less for a beat
+to answer), then at its period: faster beats for good would cost an idle 2-engine pool
+~2.5% of one core (controller and engines together).
 """
 
 import json
 import os
 import stat
+import time
 
 
 def save_connection_dict(self, fname, cdict):
@@ -28,21 +29,24 @@ def save_connection_dict(self, fname, cdict):
     os.replace(part, path)
 
 
+#: the heart monitor's period (ms) while a pool's engines register: from its start until
+#: `QUIET_S` after the last new heart (or `FAST_FOR_S` at most)
+FAST_PERIOD_MS, QUIET_S, FAST_FOR_S = 50, 1.0, 10.0
+
+
 def handle_pong(self, msg, _pong=None):
     """`HeartMonitor.handle_pong`, a new heart's first answer finishing its registration."""
     _pong(self, msg)
     heart = msg[0]
     if heart in self.responses and heart not in self.hearts:
         self.handle_new_hearts({heart})
-
-
-#: the heart monitor's period (ms) for its first seconds, while engines register
-FAST_PERIOD_MS, FAST_FOR_S = 50, 10.0
+        self.last_new_heart = time.monotonic()
 
 
 def start_fast(self, _start=None):
-    """`HeartMonitor.start`, beating every `FAST_PERIOD_MS` for `FAST_FOR_S`, then at its
-    configured period; as many seconds of silence declare a heart dead in both."""
+    """`HeartMonitor.start`, beating every `FAST_PERIOD_MS` while engines register (until
+    `QUIET_S` after the last new heart, `FAST_FOR_S` at most), then at its configured
+    period; as many seconds of silence declare a heart dead in both."""
     from tornado import ioloop
 
     period, misses = self.period, self.max_heartmonitor_misses
@@ -50,16 +54,23 @@ def start_fast(self, _start=None):
         return _start(self)
     self.period = FAST_PERIOD_MS
     self.max_heartmonitor_misses = misses * period // FAST_PERIOD_MS
+    started = time.monotonic()
     _start(self)
+    loop = ioloop.IOLoop.current()
 
-    def slow():
+    def check():
+        now = time.monotonic()
+        last = getattr(self, "last_new_heart", None)
+        if now - started < FAST_FOR_S and (last is None or now - last < QUIET_S):
+            loop.call_later(QUIET_S / 4, check)
+            return
         self.caller.stop()
         self.period, self.max_heartmonitor_misses = period, misses
         self.on_probation = {h: n * FAST_PERIOD_MS // period for h, n in self.on_probation.items()}
         self.caller = ioloop.PeriodicCallback(self.beat, period)
         self.caller.start()
 
-    ioloop.IOLoop.current().call_later(FAST_FOR_S, slow)
+    loop.call_later(QUIET_S / 4, check)
 
 
 if __name__ == "__main__":

@@ -134,6 +134,7 @@ def _engine(request: dict) -> None:
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # the server ignores it
         os.setsid()
         _name(ENGINE_NAME)
         _redirect(request["output"])

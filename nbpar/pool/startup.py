@@ -17,7 +17,7 @@ from nbpar.errors import PoolError
 
 #: Faster than ipyparallel's defaults (its 3 s heartbeat period made registration take
 #: ~6 s): an engine registers at its heart's first answer, and the controller beats
-#: every 50 ms for its first 10 s (`nbpar.pool.controller`); a dead engine is still
+#: every 50 ms while engines register (`nbpar.pool.controller`); a dead engine is still
 #: only declared after 10 s without heartbeats.
 CONTROLLER_ARGS = ["--HeartMonitor.period=200", "--HeartMonitor.max_heartmonitor_misses=50"]
 
