@@ -284,7 +284,7 @@ import torch
 from nbpar.model.models import build_model, next_token_loss
 
 
-def matmul_flops(n=1024, repeats=5):
+def matmul_flops(n=1024, repeats=20):
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b  # warm
     best = min(_timed(lambda: a @ b) for _ in range(repeats))
@@ -320,7 +320,7 @@ n_params = sum(p.numel() for p in model.parameters())
 per_token = 6 * n_params + 12 * layers * seq * width
 tokens_per_s = tiny.micro_batch * seq / step_s
 mfu = tokens_per_s * per_token / peak
-print(f"this CPU's fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s (1024 x 1024, best of 5)")
+print(f"this CPU's fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s (1024 x 1024, best of 20)")
 print(f"a GPT of width 256, 4 layers: {n_params:,} parameters, {per_token:,} FLOPs a token "
       f"(6N = {6 * n_params:,}, attention {12 * layers * seq * width:,})")
 print(f"{tokens_per_s:,.0f} tokens/s (median of 10 steps) -> MFU {mfu:.1%}")
