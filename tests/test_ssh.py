@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -131,7 +132,10 @@ def ssh_pool(ssh_hosts):
     c.SSHEngineSetLauncher.engines = {Hosts.addr(0): 1, Hosts.addr(1): 1}
     c.SSHLauncher.ssh_args = ssh_hosts.ssh_args
     c.SSHLauncher.scp_args = ssh_hosts.ssh_args
-    c.SSHLauncher.remote_python = sys.executable  # same paths on every host, as on a cluster
+    # same paths on every host, as on a cluster; an ssh login gets no kernel environment,
+    # so the remote side is told the test's IPython directory (none made in the home dir)
+    here = shlex.quote(os.environ["IPYTHONDIR"])
+    c.SSHLauncher.remote_python = f"env IPYTHONDIR={here} {shlex.quote(sys.executable)}"
     # where ipyparallel copies the connection file to: not the file itself
     c.SSHLauncher.remote_profile_dir = os.path.join(ssh_hosts.folder, "remote_profile")
     pool = nbpar.Pool(
